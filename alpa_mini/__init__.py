@@ -1,0 +1,3 @@
+"""alpa_mini: two-level auto-parallel planning for JAX."""
+
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""Execution of pipeshard programs (local and Ray). Never imports the planner."""

@@ -1,0 +1,1 @@
+"""Exhaustive reference solvers, for tests only."""

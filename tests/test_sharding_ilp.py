@@ -1,0 +1,307 @@
+"""The sharding ILP against brute force, closed forms and the contest's proven optima."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from alpa_mini.solvers.brute_force.sharding import brute_force_min_peak, brute_force_sharding
+from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
+from alpa_mini.solvers.ilp import ShardingSolution, solve_sharding
+from alpa_mini.solvers.sharding_problem import (
+    ShardingProblem,
+    evaluate,
+    load_iopddl,
+    save_iopddl,
+)
+from alpa_mini.solvers.simplify import simplify
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "iopddl"
+EXAMPLE = DATA / "example.json"
+FORBID = 1e18
+
+
+@st.composite
+def problems(draw, *, max_nodes: int = 6, memory: bool = True, aliases: bool = True):
+    """Small random problems: forbidden entries, parallel edges, overlapping lifetimes."""
+    n = draw(st.integers(1, max_nodes))
+    ks = [draw(st.integers(1, 3)) for _ in range(n)]
+    cost = st.one_of(st.integers(0, 20).map(float), st.just(FORBID))
+    costs = [
+        [draw(cost) if draw(st.booleans()) else float(draw(st.integers(0, 20))) for _ in range(k)]
+        for k in ks
+    ]
+    usages = [[float(draw(st.integers(0, 6))) for _ in range(k)] for k in ks]
+    intervals = []
+    for _ in range(n):
+        s = draw(st.integers(0, 6))
+        intervals.append([s, s + draw(st.integers(0, 4))])
+    m = draw(st.integers(0, 2 * n))
+    edges, edge_costs = [], []
+    for _ in range(m if n > 1 else 0):
+        u = draw(st.integers(0, n - 1))
+        v = draw(st.integers(0, n - 1).filter(lambda x, u=u: x != u))
+        edges.append([u, v])
+        edge_costs.append(
+            [
+                draw(cost) if draw(st.integers(0, 3)) == 0 else float(draw(st.integers(0, 15)))
+                for _ in range(ks[u] * ks[v])
+            ]
+        )
+    alias = []
+    pairs = [[a, b] for a in range(n) for b in range(n) if a != b and ks[a] == ks[b]]
+    if aliases and pairs and draw(st.booleans()):
+        alias.append(draw(st.sampled_from(pairs)))
+    limit = None
+    if memory and draw(st.booleans()):
+        limit = float(draw(st.integers(0, 20)))
+    return ShardingProblem.from_lists(costs, usages, intervals, edges, edge_costs, limit, alias)
+
+
+def _optimum(problem: ShardingProblem) -> float | None:
+    found = brute_force_sharding(problem)
+    return None if found is None else found[1].cost
+
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(problems())
+def test_ilp_equals_brute_force(problem: ShardingProblem) -> None:
+    best = _optimum(problem)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve_sharding(problem)
+        return
+    sol = solve_sharding(problem)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+    ev = evaluate(problem, sol.choice)
+    assert ev.feasible
+    assert ev.cost == pytest.approx(sol.objective)
+    assert sol.node_cost + sol.edge_cost == pytest.approx(sol.objective)
+
+
+@FAST
+@given(problems())
+def test_simplification_never_changes_the_optimum(problem: ShardingProblem) -> None:
+    try:
+        plain = solve_sharding(problem, simplify_graph=False).objective
+    except InfeasibleError:
+        plain = None
+    try:
+        simplified = solve_sharding(problem).objective
+    except InfeasibleError:
+        simplified = None
+    assert (plain is None) == (simplified is None)
+    if plain is not None:
+        assert simplified == pytest.approx(plain, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=5))
+def test_reduction_maps_back_and_never_grows(problem: ShardingProblem) -> None:
+    try:
+        red = simplify(problem)
+    except InfeasibleError:
+        assert brute_force_sharding(problem) is None
+        return
+    stats = red.stats
+    assert stats.nodes_after <= stats.nodes_before
+    assert stats.strategies_after <= stats.strategies_before
+    # Every core assignment expands to a full assignment with the same cost and peak.
+    rng = np.random.default_rng(0)
+    core = red.core
+    for _ in range(5):
+        core_choice = np.array([rng.integers(len(c)) for c in core.costs], dtype=np.int64)
+        cost, peak = core.evaluate(core_choice)
+        full = evaluate(problem.with_usage_limit(None), red.expand(core_choice))
+        if math.isinf(cost):
+            continue
+        assert full.cost == pytest.approx(cost, rel=1e-9, abs=1e-9)
+        if problem.usage_limit is not None and peak <= problem.usage_limit:
+            # Where the core says memory fits, the original assignment fits too.
+            assert evaluate(problem, red.expand(core_choice)).feasible or full.forbidden_edges
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_nodes=4))
+def test_cbc_backend_equals_brute_force(problem: ShardingProblem) -> None:
+    best = _optimum(problem)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve_sharding(problem, backend="cbc")
+        return
+    sol = solve_sharding(problem, backend="cbc", simplify_graph=False)
+    assert sol.backend == "cbc"
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(aliases=False))
+def test_infeasible_memory_reports_the_minimum_peak(problem: ShardingProblem) -> None:
+    if problem.usage_limit is None or brute_force_sharding(problem.with_usage_limit(None)) is None:
+        return
+    if brute_force_sharding(problem) is not None:
+        return
+    min_peak = brute_force_min_peak(problem)
+    with pytest.raises(InfeasibleError) as info:
+        solve_sharding(problem)
+    assert "cannot be met" in str(info.value)
+    assert info.value.details["min_peak"] == pytest.approx(min_peak)
+    sol = solve_sharding(problem, on_infeasible="return")
+    assert sol.status == "infeasible"
+    assert sol.peak_usage == pytest.approx(min_peak)
+
+
+def test_example_closed_form() -> None:
+    """The contest's example: hand-checkable optimum 445 at (0, 0, 2, 1, 0)."""
+    problem = load_iopddl(EXAMPLE)
+    sol = solve_sharding(problem)
+    assert sol.objective == 445
+    assert sol.choice == (0, 0, 2, 1, 0)
+    assert sol.status == "optimal"
+    ev = evaluate(problem, sol.choice)
+    assert ev.node_cost == 15 + 55 + 35 + 75 + 95
+    assert ev.edge_cost == 30 + 40 + 10 + 30 + 60
+    assert ev.peak_usage <= 50
+    # Without the memory limit, strategy 0 of node 2 (usage 15 → cheaper) becomes reachable.
+    free = solve_sharding(problem.with_usage_limit(None))
+    assert free.objective == brute_force_sharding(problem.with_usage_limit(None))[1].cost
+
+
+def test_alias_pairs_force_equal_choices() -> None:
+    # Node 1 alone prefers strategy 1, node 0 strategy 0; aliased, they must agree.
+    problem = ShardingProblem.from_lists(costs=[[0.0, 5.0], [7.0, 0.0]], aliases=[[0, 1]])
+    sol = solve_sharding(problem)
+    assert sol.choice[0] == sol.choice[1]
+    assert sol.objective == 5.0
+
+
+def test_forbidden_everywhere_is_infeasible_whatever_the_budget() -> None:
+    problem = ShardingProblem.from_lists(
+        costs=[[1.0, 2.0], [1.0, 1.0]],
+        edges=[[0, 1]],
+        edge_costs=[[FORBID, FORBID, FORBID, FORBID]],
+    )
+    with pytest.raises(InfeasibleError, match="forbidden"):
+        solve_sharding(problem)
+
+
+@pytest.mark.parametrize(("name", "best"), [("B", 532_843), ("G", 217_039)])
+def test_contest_instances_solved_to_proven_optimality(name: str, best: int) -> None:
+    problem = load_iopddl(DATA / f"asplos-2025-iopddl-{name}.json.gz")
+    sol = solve_sharding(problem, time_limit=120)
+    assert sol.status == "optimal"
+    assert sol.objective == best
+    assert evaluate(problem, sol.choice).feasible
+    assert sol.reduction["nodes"][1] < sol.reduction["nodes"][0] / 2
+
+
+# ---------------------------------------------------------------- file format and validation
+def _example_dict() -> dict:
+    return json.loads(EXAMPLE.read_text())
+
+
+def test_iopddl_round_trip(tmp_path: Path) -> None:
+    problem = load_iopddl(EXAMPLE)
+    for name in ("p.json", "p.json.gz"):
+        save_iopddl(problem, tmp_path / name)
+        again = load_iopddl(tmp_path / name)
+        assert again.to_iopddl_dict() == problem.to_iopddl_dict()
+    with gzip.open(tmp_path / "p.json.gz", "rt") as fh:
+        assert json.load(fh) == _example_dict()
+
+
+def test_solution_json_round_trip() -> None:
+    sol = solve_sharding(load_iopddl(EXAMPLE))
+    again = ShardingSolution.from_json(sol.to_json())
+    assert again == sol
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d["problem"]["nodes"].pop("usages"), r"problem\.nodes\.usages: missing field"),
+        (lambda d: d["problem"].pop("nodes"), r"problem\.nodes: missing field"),
+        (
+            lambda d: d["problem"]["edges"]["costs"].__setitem__(2, [1, 2, 3]),
+            r"edges\.costs\[2\].*needs 2x2 = 4 entries.*got 3",
+        ),
+        (
+            lambda d: d["problem"]["nodes"]["usages"][3].__setitem__(1, -4),
+            r"nodes\.usages\[3\]\[1\].*-4",
+        ),
+        (
+            lambda d: d["problem"]["nodes"]["costs"][2].__setitem__(0, float("nan")),
+            r"nodes\.costs\[2\]\[0\].*nan",
+        ),
+        (
+            lambda d: d["problem"]["nodes"]["usages"][1].pop(),
+            r"nodes\.usages\[1\]: expected 2 entries",
+        ),
+        (
+            lambda d: d["problem"]["edges"]["nodes"].__setitem__(4, [3, 9]),
+            r"edges\.nodes\[4\].*outside 0\.\.4",
+        ),
+        (
+            lambda d: d["problem"]["nodes"]["intervals"].__setitem__(0, [70, 30]),
+            r"nodes\.intervals\[0\]",
+        ),
+        (lambda d: d["problem"].__setitem__("usage_limit", "lots"), r"usage_limit.*'lots'"),
+        (
+            lambda d: d["problem"]["nodes"]["costs"].__setitem__(1, []),
+            r"nodes\.costs\[1\].*non-empty",
+        ),
+    ],
+)
+def test_malformed_files_name_the_field(tmp_path: Path, mutate, match: str) -> None:
+    data = _example_dict()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SolverInputError, match=match):
+        load_iopddl(path)
+
+
+def test_evaluate_rejects_bad_choices() -> None:
+    problem = load_iopddl(EXAMPLE)
+    with pytest.raises(SolverInputError, match=r"choice\[2\]: strategy 3 does not exist"):
+        evaluate(problem, [0, 0, 3, 0, 0])
+    with pytest.raises(SolverInputError, match="expected 5 strategy indices"):
+        evaluate(problem, [0, 0])
+
+
+def test_evaluate_reports_each_violation() -> None:
+    problem = ShardingProblem.from_lists(
+        costs=[[1.0, FORBID], [2.0, 3.0]],
+        usages=[[4.0, 4.0], [5.0, 1.0]],
+        intervals=[[0, 2], [1, 3]],
+        edges=[[0, 1]],
+        edge_costs=[[0.0, FORBID, 1.0, 1.0]],
+        usage_limit=8.0,
+    )
+    ok = evaluate(problem, [0, 0])
+    assert (ok.cost, ok.peak_usage, ok.peak_time, ok.feasible) == (3.0, 9.0, 1, False)
+    assert ok.over_limit and not ok.forbidden_nodes
+    good = evaluate(problem, [0, 1])
+    assert good.feasible is False and good.forbidden_edges == (0,)
+    bad = evaluate(problem, [1, 1])
+    assert bad.forbidden_nodes == (0,) and math.isinf(bad.cost)
+
+
+def test_solver_argument_errors() -> None:
+    problem = load_iopddl(EXAMPLE)
+    with pytest.raises(ValueError, match="backend: 'gurobi'"):
+        solve_sharding(problem, backend="gurobi")
+    with pytest.raises(SolverInputError, match="time_limit"):
+        solve_sharding(problem, time_limit=-1)
+    with pytest.raises(SolverInputError, match="on_infeasible"):
+        solve_sharding(problem, on_infeasible="ignore")
