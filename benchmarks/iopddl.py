@@ -97,7 +97,9 @@ def to_markdown(rows: list[dict[str, object]], command: str, backend: str) -> st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--only", default=",".join(CONTEST), help="instances, e.g. B,G")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply contest limits")
     parser.add_argument("--backend", default="auto")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InfeasibleError, SolverInputError
+from .lns import improve_by_lns
 from .local_search import local_search, min_peak_assignment
 from .mip_backends import resolve_backend, run_mip
 from .mip_model import build_mip
@@ -29,6 +30,11 @@ __all__ = ["STATUSES", "ShardingSolution", "SolverTimeLimitError", "solve_shardi
 STATUSES = ("optimal", "feasible", "infeasible")
 #: Cores smaller than this many strategies go straight to the MIP (a heuristic adds nothing).
 HEURISTIC_MIN_STRATEGIES = 1000
+#: Under a time limit, a core whose MIP has more columns than this is improved by LNS
+#: instead: HiGHS did not finish the root LP of V (680k columns) or K (1.3M) in 300 s.
+FULL_MIP_MAX_COLUMNS = 250_000
+#: Local search before a whole MIP only needs to hand it a good warm start.
+WARM_START_SECONDS = 5.0
 
 
 class SolverTimeLimitError(RuntimeError):
@@ -155,15 +161,34 @@ def solve_sharding(
             problem, reduction, backend, deadline, t0, timings, on_infeasible, simplify_graph
         )
 
-    # 1. Heuristic incumbent on large cores.
+    # 1. The whole MIP, and whether it is small enough to run under the time limit.
+    model = None
+    mip = None
+    model_size: dict[str, int] = {}
+    if core.num_vars:
+        tb = time.perf_counter()
+        model = build_mip(core)
+        timings["build"] = time.perf_counter() - tb
+        model_size = model.size()
+    region_by_region = (
+        model is not None and time_limit is not None and model.num_cols > FULL_MIP_MAX_COLUMNS
+    )
+
+    # 2. A heuristic incumbent on large cores: a short warm start before the whole MIP, or
+    #    the starting point of the region-by-region search.
     n_strategies = sum(len(c) for c in core.costs)
     if not simplify_graph:
         heuristic_time = 0.0  # the heuristic expects a simplified core (no forbidden nodes)
     elif heuristic_time is None:
-        big = n_strategies >= HEURISTIC_MIN_STRATEGIES
-        heuristic_time = 0.0 if not big else (10.0 if time_limit is None else 0.25 * time_limit)
+        if n_strategies < HEURISTIC_MIN_STRATEGIES:
+            heuristic_time = 0.0
+        elif region_by_region:
+            heuristic_time = 0.3 * time_limit
+        else:
+            heuristic_time = min(WARM_START_SECONDS, 0.1 * (time_limit or 50.0))
     incumbent: np.ndarray | None = None
     heuristic_cost = math.inf
+    incumbent_source = "heuristic"
     if core.num_vars and heuristic_time > 0:
         th = time.perf_counter()
         result = local_search(core, time_limit=min(heuristic_time, _left(deadline)), seed=seed)
@@ -171,13 +196,17 @@ def solve_sharding(
         if result.feasible:
             incumbent, heuristic_cost = result.choice, result.cost
 
-    # 2. The MIP on what is left.
-    model = None
-    mip = None
-    if core.num_vars:
-        tb = time.perf_counter()
-        model = build_mip(core)
-        timings["build"] = time.perf_counter() - tb
+    # 3. The MIP on what is left: whole, or region by region when it is too big for the time.
+    if region_by_region and incumbent is not None:
+        tl = time.perf_counter()
+        lns = improve_by_lns(
+            core, incumbent, time_limit=_left(deadline), backend=backend, seed=seed
+        )
+        timings["lns"] = time.perf_counter() - tl
+        if lns.improvements:
+            incumbent, heuristic_cost = lns.choice, lns.cost
+            incumbent_source = "heuristic+lns"
+    elif model is not None:
         warm = model.columns_from(core, incumbent) if incumbent is not None else None
         mip = run_mip(
             model,
@@ -189,7 +218,7 @@ def solve_sharding(
         )
         timings["mip"] = mip.seconds
 
-    # 3. Pick the best assignment and report honestly.
+    # 4. Pick the best assignment and report honestly.
     if not core.num_vars:
         core_choice = np.zeros(0, dtype=np.int64)
         status, bound, source, detail = (
@@ -198,13 +227,23 @@ def solve_sharding(
             "simplify",
             "simplification decided every node",
         )
+    elif mip is None:  # large core under a time limit: local search + LNS
+        if incumbent is None:
+            raise SolverTimeLimitError(
+                f"no feasible assignment found within time_limit={time_limit} s by the local "
+                "search, and the whole MIP is too large to try; give it more time or a larger "
+                "usage_limit"
+            )
+        core_choice, source = incumbent, incumbent_source
+        status, bound = "feasible", None
+        detail = "whole MIP too large for the time limit; improved region by region (LNS)"
     else:
-        assert mip is not None and model is not None
+        assert model is not None
         candidates = []
         if mip.x is not None:
             candidates.append((model.strategies_from(mip.x), "mip"))
         if incumbent is not None:
-            candidates.append((incumbent, "heuristic"))
+            candidates.append((incumbent, incumbent_source))
         if not candidates:
             if mip.status == "infeasible":
                 return _infeasible(
@@ -247,7 +286,7 @@ def solve_sharding(
         backend=backend,
         solve_time=time.perf_counter() - t0,
         timings={k: round(v, 4) for k, v in timings.items()},
-        model_size=model.size() if model is not None else {},
+        model_size=model_size,
         reduction=reduction.stats.as_dict(),
         heuristic_objective=None if not math.isfinite(heuristic_cost) else heuristic_cost,
         source=source,

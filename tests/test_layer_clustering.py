@@ -7,6 +7,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from alpa_mini.solvers.brute_force.clustering import brute_force_clustering
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
 from alpa_mini.solvers.layer_clustering import (
@@ -18,8 +21,6 @@ from alpa_mini.solvers.layer_clustering import (
     evaluate_clustering,
     search_num_layers,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 # --------------------------------------------------------------------------- helpers
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+
 from alpa_mini.solvers.brute_force.sharding import brute_force_min_peak, brute_force_sharding
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
 from alpa_mini.solvers.ilp import ShardingSolution, solve_sharding
@@ -19,49 +21,10 @@ from alpa_mini.solvers.sharding_problem import (
     save_iopddl,
 )
 from alpa_mini.solvers.simplify import simplify
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from strategies import FORBID, problems
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "iopddl"
 EXAMPLE = DATA / "example.json"
-FORBID = 1e18
-
-
-@st.composite
-def problems(draw, *, max_nodes: int = 6, memory: bool = True, aliases: bool = True):
-    """Small random problems: forbidden entries, parallel edges, overlapping lifetimes."""
-    n = draw(st.integers(1, max_nodes))
-    ks = [draw(st.integers(1, 3)) for _ in range(n)]
-    cost = st.one_of(st.integers(0, 20).map(float), st.just(FORBID))
-    costs = [
-        [draw(cost) if draw(st.booleans()) else float(draw(st.integers(0, 20))) for _ in range(k)]
-        for k in ks
-    ]
-    usages = [[float(draw(st.integers(0, 6))) for _ in range(k)] for k in ks]
-    intervals = []
-    for _ in range(n):
-        s = draw(st.integers(0, 6))
-        intervals.append([s, s + draw(st.integers(0, 4))])
-    m = draw(st.integers(0, 2 * n))
-    edges, edge_costs = [], []
-    for _ in range(m if n > 1 else 0):
-        u = draw(st.integers(0, n - 1))
-        v = draw(st.integers(0, n - 1).filter(lambda x, u=u: x != u))
-        edges.append([u, v])
-        edge_costs.append(
-            [
-                draw(cost) if draw(st.integers(0, 3)) == 0 else float(draw(st.integers(0, 15)))
-                for _ in range(ks[u] * ks[v])
-            ]
-        )
-    alias = []
-    pairs = [[a, b] for a in range(n) for b in range(n) if a != b and ks[a] == ks[b]]
-    if aliases and pairs and draw(st.booleans()):
-        alias.append(draw(st.sampled_from(pairs)))
-    limit = None
-    if memory and draw(st.booleans()):
-        limit = float(draw(st.integers(0, 20)))
-    return ShardingProblem.from_lists(costs, usages, intervals, edges, edge_costs, limit, alias)
 
 
 def _optimum(problem: ShardingProblem) -> float | None:
