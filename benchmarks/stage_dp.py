@@ -26,8 +26,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from alpa_mini.solvers.stage_dp import random_stage_problem, solve_stages, solve_stages_reference
+from benchmarks._report import update_section
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {"layers": [16, 32, 48, 96], "clusters": ["1x8", "8x8", "64x8", "128x8"], "batches": [8, 64]}
 QUICK = {"layers": [16], "clusters": ["1x8", "8x8"], "batches": [8, 64]}
 
@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = notes + "\n".join(lines) + "\n"
     if not opts.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "stage_dp.md").write_text(text)
+        update_section("stage_dp", text)
     if mismatches:
         print(f"{mismatches} objective mismatch(es) between solve_stages and the reference")
         return 1

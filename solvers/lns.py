@@ -89,9 +89,7 @@ def restrict(
                 costs[remap[b]] += mat[choice[a], :]
     term_free = free[core.term_var] if len(core.term_var) else np.zeros(0, dtype=bool)
     fixed_terms = np.flatnonzero(~term_free)
-    fixed_use = np.array(
-        [core.term_usages[j][choice[core.term_var[j]]] for j in fixed_terms], dtype=np.float64
-    )
+    fixed_use = core.term_usage_of(choice)[fixed_terms]
     free_terms = np.flatnonzero(term_free)
     return CoreProblem(
         costs=tuple(costs),
@@ -138,7 +136,7 @@ def _peak_vars(core: CoreProblem, index: _Index, choice: np.ndarray) -> np.ndarr
     """Variables owning a memory term live at the current peak time."""
     if not len(core.term_var):
         return np.zeros(0, dtype=np.int64)
-    use = np.array([u[choice[x]] for x, u in zip(core.term_var, core.term_usages, strict=True)])
+    use = core.term_usage_of(choice)
     starts = np.concatenate([core.term_intervals[:, 0], core.const_intervals[:, 0]])
     ends = np.concatenate([core.term_intervals[:, 1], core.const_intervals[:, 1]])
     _, t = interval_peak(starts, ends, np.concatenate([use, core.const_usages]))

@@ -1,37 +1,40 @@
-"""Local search for the simplified sharding problem (warm start and fallback for the ILP).
+"""Heuristic search for the simplified sharding problem (ILP warm start and fallback).
 
 The ILP is exact but can time out on large or memory-tight graphs; this module finds good
-feasible assignments of a :class:`~.simplify.CoreProblem` fast, so the ILP gets a warm start
-and the planner always has an answer. It also finds assignments of least peak memory, which
-tell a user how far over budget a model is when no assignment fits.
+feasible assignments of a :class:`~.simplify.CoreProblem` within a time limit, so the ILP
+gets a warm start and the planner always has an answer. It also finds assignments of least
+peak memory, which tell a user how far over budget a model is when nothing fits.
 
-Algorithm (all on the core problem; numpy per variable, Python over variables):
+Building blocks (numpy per variable, Python over variables):
 
-* **Greedy start**: variables in breadth-first order pick the strategy that is cheapest given
-  the neighbours already fixed, never a forbidden pair when avoidable; a second start fills
-  memory greedily from the least-usage assignment so it stays within the limit.
-* **Memory model**: time is compressed to the segments between interval endpoints and a
-  usage profile ``U`` (one float per segment) is kept up to date. Each variable's memory
-  terms are pre-summed into *blocks*, maximal segment ranges on which the set of its live
-  terms is constant, giving a (strategies x blocks) matrix ``D``. The peak a move would make
-  on the variable's blocks is then ``max(blockmax(U) - D[cur] + D[s])``: one
-  ``np.maximum.reduceat`` and one small matrix operation, exact for every strategy at once.
-* **Coordinate descent** (iterated conditional modes): each variable moves to its cheapest
-  strategy given its neighbours (``cost[x] + Σ_e W_e[:, choice[nb]]``, one gather over a
-  stacked edge matrix) among those that keep memory within the limit. A work list re-visits
-  the neighbours of moved variables; full sweeps catch moves that freed memory enables.
-* **Repair**: while the profile is over the limit, a variable live at the peak segment moves
-  to a strategy of lower usage there, choosing the least cost increase per unit of excess
-  memory removed. A move may not raise any segment to the current peak, so the number of
-  segments at the peak (or the peak itself) strictly falls and the repair terminates.
-* **Ejection moves**: a strategy that would lower the cost but breaks the memory limit is
-  taken anyway and memory is repaired around it (the moved variable is frozen); the chain is
-  kept only if the total cost fell. This trades memory between variables that do not
-  share an edge, which single moves under a hard limit cannot do.
-* **Iterated local search**: random kicks of a few connected variables and exact moves of
-  edge pairs, each followed by repair and descent; the best feasible assignment is kept.
+* **Memory model**: time is compressed to the segments between interval endpoints and the
+  usage profile ``U`` (one float per segment) is kept up to date. A variable's memory terms
+  are pre-summed into *blocks* (segment ranges on which its set of live terms is constant),
+  giving a (strategies x blocks) matrix ``D``; the usage a move would leave on its blocks is
+  ``blockmax(U) - D[cur] + D[s]``, one ``np.maximum.reduceat`` for all strategies at once.
+* **Descent** (iterated conditional modes): a variable moves to its cheapest strategy given
+  its neighbours (``cost[x] + Σ_e W_e[:, choice[nb]]``, one gather over its edge matrices
+  laid side by side) among those that keep its blocks within the limit, so feasibility is
+  kept; a work list re-visits neighbours of moved variables.
+* **Repair**: while over the limit, lazy-greedy moves that remove excess memory at the
+  least cost per unit removed, never raising an over-limit block nor pushing one over;
+  if that gets stuck, moves at the peak segment that may trade memory between segments.
+* **Priced rounds** (Lagrangian relaxation): multipliers on time segments price memory into
+  the node costs, ``Σ_seg λ_seg usage_seg(s)``; sequential tree-reweighted message passing
+  (TRW-S, Kolmogorov 2006) minimises the priced problem, whose solution is repaired and
+  also decoded memory-safely from the messages; subgradient steps update the multipliers
+  (two trajectories, bold and cautious steps, on small graphs). Without memory, TRW-S
+  finds the exact optimum of contest instances A, B, P and V (checked against HiGHS), and
+  the prices find memory trade-offs that single moves cannot.
+* **Large-neighbourhood search**: exact tree DP over a random induced forest (about three
+  quarters of the variables, the rest fixed) with memory priced by a random multiple of the
+  multipliers, then repair and descent; ejection chains (a move that breaks the limit,
+  repaired around); restarts from elite assignments or from random kicks when it stalls.
 
-Everything checks the clock, so ``time_limit`` is respected to within one variable's work.
+:func:`local_search` interleaves priced rounds and LNS moves (half the time each) from a
+memory-aware greedy start. The loops check the clock, so ``time_limit`` holds to within
+one step (about 0.2 s on the largest contest instance, K, with 5167 core variables) plus
+the one-off setup (about a second on K).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import SolverInputError
 from .simplify import CoreProblem
 
 __all__ = [
@@ -58,9 +62,15 @@ __all__ = [
 _INF = math.inf
 #: Share of the time limit spent in priced TRW-S rounds; the rest goes to neighbourhood search.
 LAGRANGIAN_SHARE = 0.5
-LAGRANGIAN_SHARE_STALLED = 0.8
+#: Initial relative step of each multiplier trajectory (they take rounds in turn).
+THETA0S = (0.5, 0.1)
+#: Graphs with at most this many variables count as small (cheap rounds, see _Driver.run).
+SMALL_GRAPH = 2000
 #: Distinct good assignments from the priced rounds kept as restart points for the LNS.
 ELITE_SIZE = 8
+#: The LNS restarts after this many moves without gain that also took this share of the time.
+LNS_STALL = 25
+LNS_STALL_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -268,7 +278,8 @@ class _Search:
         c = float(self.flat_costs[self.node_off[:-1] + choice].sum()) if self.n else 0.0
         if len(self.ea):
             kb = self.k[self.eb]
-            c += float(self.flat_edges[self.edge_off[:-1] + choice[self.ea] * kb + choice[self.eb]].sum())
+            at = self.edge_off[:-1] + choice[self.ea] * kb + choice[self.eb]
+            c += float(self.flat_edges[at].sum())
         return c + float(self.core.const_cost)
 
     def peak(self) -> float:
@@ -319,7 +330,8 @@ class _Search:
                 g = self.wide[x][:, self.coloff[x][mask] + self.choice[nbs[mask]]]
                 if self.has_inf[x]:
                     bad = np.isinf(g).sum(axis=1)
-                    loc = np.where(bad > bad.min(), _INF, loc + np.where(np.isinf(g), 0.0, g).sum(1))
+                    fin = loc + np.where(np.isinf(g), 0.0, g).sum(axis=1)
+                    loc = np.where(bad > bad.min(), _INF, fin)
                 else:
                     loc = loc + g.sum(axis=1)
             if memory and self.mem[x]:
@@ -627,7 +639,7 @@ class _Search:
                     queue.append(y)
         return np.array(out, dtype=np.int64)
 
-    def random_forest(self, region: np.ndarray | None = None) -> np.ndarray:
+    def random_forest(self) -> np.ndarray:
         """A maximal induced forest in random order: ``inS`` mask.
 
         A variable joins when its neighbours already in the forest lie in distinct trees
@@ -643,8 +655,7 @@ class _Search:
             return a
 
         ins = np.zeros(n, dtype=bool)
-        cand = self.rng.permutation(n) if region is None else self.rng.permutation(region)
-        for x in cand.tolist():
+        for x in self.rng.permutation(n).tolist():
             roots = [find(y) for y in self.nbrs[x].tolist() if ins[y]]
             if len(roots) != len(set(roots)):
                 continue
@@ -680,6 +691,8 @@ class _Search:
                         stack.append(y)
             belief: dict[int, np.ndarray] = {}
             back: dict[int, np.ndarray] = {}
+            if not self.time_left():
+                return choice.copy()  # out of time: propose no change
             for x in order:
                 nbs = self.nbrs[x]
                 out = ~ins[nbs]
@@ -693,6 +706,8 @@ class _Search:
                 p = par[x]
                 if p < 0:
                     continue
+                if not self.time_left():
+                    return choice.copy()
                 pos = self.nbr_pos[p][x]
                 off = self.coloff[p][pos]
                 mat = self.wide[p][:, off : off + self.k[x]] + belief[x][None, :]
@@ -717,12 +732,14 @@ class _Search:
         finite_max = [float(np.max(w[np.isfinite(w)], initial=0.0)) for w in self.wide]
         # Forbidden pairs become a finite BIG so that message arithmetic never meets inf-inf.
         big = 10.0 * (sum(finite_max) + sum(float(c.max(initial=0.0)) for c in self.costs) + 1.0)
-        self.t_big = big
-        self.t_wide = [np.where(np.isinf(w), big, w) if self.has_inf[x] else w
-                       for x, w in enumerate(self.wide)]
+        self.t_wide = [
+            np.where(np.isinf(w), big, w) if self.has_inf[x] else w for x, w in enumerate(self.wide)
+        ]
         self.t_in = [np.zeros((len(self.nbrs[x]), self.k[x])) for x in range(n)]
-        self.t_rev = [np.array([self.nbr_pos[y][x] for y in self.nbrs[x].tolist()], dtype=np.int64)
-                      for x in range(n)]
+        self.t_rev = [
+            np.array([self.nbr_pos[y][x] for y in self.nbrs[x].tolist()], dtype=np.int64)
+            for x in range(n)
+        ]
         self.t_gamma = np.ones(n)
         self.t_up: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.t_down: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -733,10 +750,18 @@ class _Search:
             for mask, store in ((higher, self.t_up), (~higher, self.t_down)):
                 idx = np.flatnonzero(mask)
                 widths = self.k[nbs[idx]]
-                cols = (np.concatenate([np.arange(o, o + w) for o, w in
-                                        zip(self.coloff[x][idx].tolist(), widths.tolist(),
-                                            strict=True)])
-                        if len(idx) else np.zeros(0, dtype=np.int64))
+                cols = (
+                    np.concatenate(
+                        [
+                            np.arange(o, o + w)
+                            for o, w in zip(
+                                self.coloff[x][idx].tolist(), widths.tolist(), strict=True
+                            )
+                        ]
+                    )
+                    if len(idx)
+                    else np.zeros(0, dtype=np.int64)
+                )
                 owner = np.repeat(np.arange(len(idx)), widths)  # column -> position in idx
                 starts = np.zeros(len(idx), dtype=np.int64)
                 if len(idx) > 1:
@@ -750,6 +775,9 @@ class _Search:
         label = np.full(self.n, -1, dtype=np.int64)
         t_in, t_wide, t_rev = self.t_in, self.t_wide, self.t_rev
         for x in order.tolist():
+            if not self.time_left():
+                # Out of time: undecoded variables keep their current strategy.
+                return np.where(label >= 0, label, self.choice)
             inc = t_in[x]
             theta = unary[x] + inc.sum(axis=0) if len(inc) else unary[x]
             idx, cols, owner, starts = plan[x]
@@ -809,6 +837,8 @@ class _Search:
         self.reset(init)
         done = np.zeros(self.n, dtype=bool)
         for x in order.tolist():
+            if not self.time_left():
+                return
             nbs = self.nbrs[x]
             prev = done[nbs]
             dec = unary[x]
@@ -884,11 +914,9 @@ class _Driver:
         self.init = np.zeros(search.n, dtype=np.int64)
         self.lam_mean: np.ndarray | None = None
         self.elite: list[tuple[float, np.ndarray, np.ndarray]] = []
-        self.history: list[tuple[float, float, str]] = []  # (clock, cost, phase) of each best
         self.phase = "start"
-        self.stall = 60
-        self.lns_stalled = False
-        self.stall_share = 0.03
+        self.stall = int(LNS_STALL)
+        self.stall_share = LNS_STALL_SHARE
 
     def consider(self) -> bool:
         """Record the current assignment if it is feasible and the cheapest so far."""
@@ -903,7 +931,6 @@ class _Driver:
         ):
             self.best_cost = cost
             self.best_choice = s.choice.copy()
-            self.history.append((time.perf_counter(), cost, self.phase))
             self.best_lam = self.lam.copy()
             return True
         return False
@@ -933,31 +960,41 @@ class _Driver:
             s.descend()
             self.consider()
 
-    def _lagrangian_rounds(self) -> Iterator[None]:
+    def _lagrangian_rounds(self, theta0: float) -> Iterator[None]:
         """Price memory per time segment and let TRW-S solve the priced problem (one round
         per step).
 
         Subgradient ascent on the multipliers (step ``theta * |UB - q| / |g|^2``, ``theta``
-        shrinking when successive subgradients disagree, growing while they agree). Each
-        round turns the priced solution into feasible candidates twice: by repair and by
-        memory-safe decoding of the messages, each followed by descent on true costs.
+        starting at ``theta0``, shrinking when successive subgradients disagree, growing
+        while they agree). Each round turns the priced solution into feasible candidates
+        twice: by repair and by memory-safe decoding of the messages, each followed by
+        descent on true costs. The multipliers and TRW-S messages are this generator's own,
+        so several trajectories can run side by side.
         """
         s = self.s
         limit = float(s.limit) if s.limit is not None else _INF
-        theta, gprev, rounds = 0.1, None, 0
+        theta, gprev, rounds = theta0, None, 0
         # The step uses the best cost these rounds found themselves (not the LNS's), so the
         # multipliers follow the same path however the time is shared.
         upper = self.best_cost
-        self.lam_mean = np.zeros_like(self.lam)
+        lam = np.zeros(s.nseg)
+        lam_mean = np.zeros(s.nseg)
+        messages = [np.zeros_like(m) for m in s.t_in]
+        small = s.n <= SMALL_GRAPH
         while True:
-            unary = [c + p for c, p in zip(s.costs, s.prices(self.lam), strict=True)]
+            s.t_in = messages
+            self.lam, self.lam_mean = lam, lam_mean  # what consider() and the LNS see
+            unary = [c + p for c, p in zip(s.costs, s.prices(lam), strict=True)]
             labels = [s.trws_pass(True, unary), s.trws_pass(False, unary)]
+            if not s.time_left():
+                yield
+                continue
             # Pick the better decoding by priced energy (skipped on big graphs: the
             # backward pass used the freshest messages and the profiles cost time).
-            pick = int(np.argmin([self._priced(lab) for lab in labels])) if s.n <= 2000 else 1
+            pick = int(np.argmin([self._priced(lab) for lab in labels])) if small else 1
             s.relaxed_descend(unary, labels[pick])
             profile = s.U.copy()
-            q = s.cost_of(s.choice) + float(self.lam @ (profile - limit))
+            q = s.cost_of(s.choice) + float(lam @ (profile - limit))
             if s.repair() is not None:
                 s.descend()
                 self.consider()
@@ -968,16 +1005,18 @@ class _Driver:
                 self.consider()
                 upper = min(upper, s.cost_of(s.choice) if s.feasible_mem() else _INF)
             g = profile - limit
-            g = np.where((self.lam > 0) | (g > 0), g, 0.0)
+            g = np.where((lam > 0) | (g > 0), g, 0.0)
             gg = float(g @ g)
-            if gg > 0.0 and math.isfinite(upper):
+            if gg > 0.0 and math.isfinite(q):
                 if gprev is not None:
                     theta *= 0.7 if float(g @ gprev) < 0 else 1.1
                     theta = min(max(theta, 0.03), 1.0)
                 gprev = g
-                self.lam = np.maximum(self.lam + theta * abs(upper - q) / gg * g, 0.0)
+                # Until something fits, aim the step at twice the priced value instead.
+                gap = abs(upper - q) if math.isfinite(upper) else abs(q) + 1.0
+                lam = np.maximum(lam + theta * gap / gg * g, 0.0)
                 rounds += 1
-                self.lam_mean += (self.lam - self.lam_mean) / rounds
+                lam_mean += (lam - lam_mean) / rounds
             yield
 
     def _priced(self, label: np.ndarray) -> float:
@@ -990,14 +1029,14 @@ class _Driver:
     def _lns_steps(self) -> Iterator[None]:
         """Large-neighbourhood search, one move per step, with restarts when it stalls.
 
-        Moves: exact DP over a random induced forest, or over a small breadth-first region
-        by variable elimination, with memory priced by a random multiple of one of the
-        multiplier vectors (those that found the start, the last ones, their running mean),
-        then repair and local descent; and ejection chains on random variables. A move is
-        kept if it is no worse. The search jumps to any new best the priced rounds find.
-        After ``stall`` moves and a share of the time without gain it restarts: from an
-        unused elite assignment of the priced rounds, or from the best with a region set
-        to random strategies (iterated local search); the best is kept apart.
+        Moves: exact DP over a random induced forest with memory priced by a random
+        multiple of one of the multiplier vectors (those that found the start, the last
+        ones, their running mean), then repair and local descent; and ejection chains on
+        random variables. A move is kept if it is no worse. The search jumps to any new
+        best the priced rounds find. After ``stall`` moves and a share of the time without
+        gain it restarts: from an unused elite assignment of the priced rounds, or from the
+        best with a region set to random strategies (iterated local search); the best is
+        kept apart.
         """
         s = self.s
         assert self.best_choice is not None
@@ -1005,7 +1044,7 @@ class _Driver:
         seen_best = self.best_cost
         used: list[np.ndarray] = [choice]
         span = max(s.deadline - time.perf_counter(), 1e-9)
-        since, t_gain, since_best = 0, time.perf_counter(), 0
+        since, t_gain = 0, time.perf_counter()
         while True:
             if self.best_cost < seen_best * (1 - 1e-12):
                 seen_best = self.best_cost
@@ -1028,17 +1067,13 @@ class _Driver:
                 self.owner = "lns"
             lams = [v for v in (lam_start, self.lam, self.lam_mean) if v is not None and v.any()]
             cost = self._lns_move(lams, cur)
-            gained = False
             if cost is not None:
                 if cost < cur * (1 - 1e-12):
                     since, t_gain = 0, time.perf_counter()
                 cur, choice = cost, s.choice.copy()
-                gained = self.consider()
+                self.consider()
             else:
                 since += 1
-            # Stalled means: no new best for a while (gains after a kick do not count).
-            since_best = 0 if gained else since_best + 1
-            self.lns_stalled = since_best >= self.stall
             yield
 
     def _kick(self) -> float:
@@ -1053,13 +1088,15 @@ class _Driver:
         region = s.random_region(int(s.rng.integers(4, 32)))
         for x in region.tolist():
             s.set(x, int(s.rng.integers(s.k[x])))
-        if s.repair() is None or not math.isfinite(s.cost_of(s.choice)):
-            s.reset(self.best_choice)
-            return self.best_cost
-        queue = np.unique(np.concatenate([region] + [s.nbrs[y] for y in region.tolist()]))
-        s.descend(queue, sweeps=False)
-        self.consider()
-        return s.cost_of(s.choice)
+        if s.repair() is not None:
+            queue = np.unique(np.concatenate([region] + [s.nbrs[y] for y in region.tolist()]))
+            s.descend(queue, sweeps=False)
+            cost = s.cost_of(s.choice)
+            if math.isfinite(cost) and s.feasible_mem():
+                self.consider()
+                return cost
+        s.reset(self.best_choice)
+        return self.best_cost
 
     def run(self) -> None:
         """Alternate priced rounds and LNS moves, each getting its share of the time.
@@ -1069,16 +1106,24 @@ class _Driver:
         get neighbourhood moves early; both feed one best assignment.
         """
         s = self.s
-        lag, lns = self._lagrangian_rounds(), None
+        # Two multiplier trajectories on small graphs, taking rounds in turn: bold steps find
+        # the memory trade-offs of small graphs within a second, cautious ones give better
+        # prices (and elites) for the LNS where the relaxation is weaker. On big graphs a
+        # round takes seconds, and the cautious one alone does best.
+        theta0s = THETA0S if s.n <= SMALL_GRAPH else THETA0S[-1:]
+        lags = [self._lagrangian_rounds(theta0) for theta0 in theta0s]
+        lns = None
         spent_lag = spent_lns = 0.0
+        turn = 0
         while s.time_left():
-            # A stalled LNS cedes most of its time to the priced rounds until it gains.
-            share = LAGRANGIAN_SHARE_STALLED if self.lns_stalled else LAGRANGIAN_SHARE
-            use_lag = self.best_choice is None or spent_lag <= share * (spent_lag + spent_lns)
+            use_lag = self.best_choice is None or spent_lag <= LAGRANGIAN_SHARE * (
+                spent_lag + spent_lns
+            )
             t = time.perf_counter()
             if use_lag:
                 self.phase, self.owner = "lagrangian", "lagrangian"
-                next(lag)
+                next(lags[turn % len(lags)])
+                turn += 1
                 spent_lag += time.perf_counter() - t
             else:
                 self.phase = "lns"
@@ -1122,7 +1167,7 @@ def greedy_assignment(core: CoreProblem, *, seed: int = 0) -> np.ndarray:
 
     Forbidden pairs with already fixed neighbours are avoided whenever some strategy can.
     """
-    s = _Search(core, seed, _INF)
+    s = _Search(core, seed, _INF, track_memory=False)
     return s.greedy(memory=False)
 
 
@@ -1134,8 +1179,9 @@ def exact_peak(core: CoreProblem, choice: np.ndarray) -> float:
     np.cumsum(sizes, out=off[1:])
     flat = np.concatenate(core.term_usages) if len(sizes) else np.zeros(0)
     use = flat[off[:-1] + np.asarray(choice, dtype=np.int64)[tv]] if len(tv) else np.zeros(0)
-    iv = np.concatenate([np.reshape(core.term_intervals, (-1, 2)),
-                         np.reshape(core.const_intervals, (-1, 2))])
+    iv = np.concatenate(
+        [np.reshape(core.term_intervals, (-1, 2)), np.reshape(core.const_intervals, (-1, 2))]
+    )
     val = np.concatenate([use, np.asarray(core.const_usages, dtype=np.float64)])
     live = iv[:, 0] < iv[:, 1]
     if not live.any():
@@ -1143,8 +1189,8 @@ def exact_peak(core: CoreProblem, choice: np.ndarray) -> float:
     times = np.concatenate([iv[live, 0], iv[live, 1]])
     deltas = np.concatenate([val[live], -val[live]])
     order = np.argsort(times, kind="stable")
-    grid, first = np.unique(times[order], return_index=True)
-    # Usage on [grid[i], grid[i+1]) is the sum of all deltas at times <= grid[i].
+    _, first = np.unique(times[order], return_index=True)
+    # Usage from a distinct time to the next is the sum of all deltas at times up to it.
     return float(np.cumsum(np.add.reduceat(deltas[order], first)).max())
 
 
@@ -1180,12 +1226,34 @@ def local_search(
     as an extra start. The result is the best feasible assignment found; if none was found,
     ``feasible`` is False, ``cost`` is inf and ``choice`` is the least-peak assignment found
     (so a caller can still report how far over the limit the problem is).
+
+    The search has no optimality proof, so it uses the whole ``time_limit`` (it returns
+    early only when even the least usage of every term breaks the limit). Results depend
+    on ``seed`` and, through the clock, slightly on machine speed.
     """
     t0 = time.perf_counter()
     deadline = t0 + max(float(time_limit), 0.0)
     s = _Search(core, seed, deadline)
+    if initial is not None:
+        initial = np.asarray(initial, dtype=np.int64)
+        if initial.shape != (s.n,):
+            raise SolverInputError(
+                f"initial: expected {s.n} strategy indices (one per core variable), "
+                f"got shape {initial.shape}"
+            )
+        bad = np.flatnonzero((initial < 0) | (initial >= s.k))
+        if bad.size:
+            x = int(bad[0])
+            raise SolverInputError(
+                f"initial[{x}]: strategy {initial[x]} does not exist; variable {x} has "
+                f"{s.k[x]} strategies"
+            )
     if s.n == 0:
         return _result(s, np.zeros(0, dtype=np.int64), t0)
+    if s.nseg and float(s.base.max()) > s.tlimit:
+        # Even the least usage of every term is over the limit somewhere: nothing fits.
+        s.deadline = min(deadline, time.perf_counter() + 1.0)
+        return _result(s, _min_peak(s), t0)
     d = _Driver(s)
     d.start(initial)
     s.trws_setup()
@@ -1211,38 +1279,47 @@ def _min_peak(s: _Search, max_stale: int = 8) -> np.ndarray:
     saved = s.tlimit
     bound = float(s.base.max()) if s.nseg else 0.0
     best: np.ndarray | None = None
-    best_peak = _INF
+    best_key = (True, _INF)  # (uses a forbidden pair, peak): conflict-free wins first
 
     def run(start: np.ndarray) -> None:
-        nonlocal best, best_peak
+        nonlocal best, best_key
         s.reset(start)
         s.tlimit = _INF
         s.fix_conflicts()
         s.tlimit = 0.0  # every segment counts as "over": push the peak down as far as it goes
         s.repair_peak(ignore_cost=True)
-        peak = s.peak()
-        forbidden = not math.isfinite(s.cost_of(s.choice))
-        better = peak < best_peak * (1 - 1e-12) or best is None
-        if better and not (forbidden and best is not None and math.isfinite(s.cost_of(best))):
-            best, best_peak = s.choice.copy(), peak
+        key = (not math.isfinite(s.cost_of(s.choice)), s.peak())
+        if (
+            best is None
+            or key[0] < best_key[0]
+            or (key[0] == best_key[0] and key[1] < best_key[1] * (1 - 1e-12))
+        ):
+            best, best_key = s.choice.copy(), key
 
-    run(s.greedy(memory=False))
+    def at_bound() -> bool:
+        return not best_key[0] and best_key[1] <= bound * (1 + 1e-12) + 1e-9
+
     run(s.min_usage_choice())
+    greedy = s.greedy(memory=False)
+    s.reset(greedy)
+    if (not math.isfinite(s.cost_of(greedy)), s.peak()) < best_key:
+        # The promise is a peak no higher than the cost-greedy start's; descend from it too.
+        run(greedy)
     stale = 0
-    while s.time_left() and stale < max_stale and best_peak > bound * (1 + 1e-12) + 1e-9:
+    while s.time_left() and stale < max_stale and not at_bound():
         assert best is not None
         start = best.copy()
-        kick = s.rng.choice(s.n, size=max(1, s.n // 10), replace=False)
+        kick = s.rng.choice(s.n, size=max(1, min(s.n // 10, 50)), replace=False)
         start[kick] = s.rng.integers(0, s.k[kick])
-        before = best_peak
+        before = best_key
         run(start)
-        stale = stale + 1 if best_peak >= before else 0
+        stale = stale + 1 if best_key >= before else 0
     assert best is not None
-    # Spend what is left of the effort on cost, never raising the peak that was reached.
+    # One cheap descent pass on cost, never raising the peak that was reached.
     s.reset(best)
-    s.tlimit = max(best_peak, 0.0) * (1 + 1e-12) + 1e-9
-    if math.isfinite(s.cost_of(best)):
-        s.descend()
+    s.tlimit = max(best_key[1], 0.0) * (1 + 1e-12) + 1e-9
+    if not best_key[0]:
+        s.descend(sweeps=False)
     s.tlimit = saved
     return s.choice.copy()
 

@@ -109,11 +109,12 @@ class MipModel:
 
 
 def _term_deltas(core: CoreProblem, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Grid of term start/end times and the change of term usage at each grid point."""
     grid = _grid(core)
+    use = core.term_usage_of(choice)
     deltas = np.zeros(len(grid))
-    for var, (s, t), use in zip(core.term_var, core.term_intervals, core.term_usages, strict=True):
-        deltas[np.searchsorted(grid, s)] += use[choice[var]]
-        deltas[np.searchsorted(grid, t)] -= use[choice[var]]
+    np.add.at(deltas, np.searchsorted(grid, core.term_intervals[:, 0]), use)
+    np.add.at(deltas, np.searchsorted(grid, core.term_intervals[:, 1]), -use)
     return grid, deltas
 
 

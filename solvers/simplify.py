@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -73,17 +74,44 @@ class CoreProblem:
     def num_edges(self) -> int:
         return len(self.edges)
 
+    @cached_property
+    def _flat(self) -> dict[str, np.ndarray]:
+        """Flat copies of the ragged arrays, so evaluation is a few gathers."""
+
+        def flatten(parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+            sizes = np.array([p.size for p in parts], dtype=np.int64)
+            offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            flat = np.concatenate([p.reshape(-1) for p in parts]) if parts else np.zeros(0)
+            return flat.astype(np.float64), offsets
+
+        cost, cost_off = flatten(self.costs)
+        edge, edge_off = flatten(self.edge_costs)
+        use, use_off = flatten(self.term_usages)
+        kb = np.array([m.shape[1] for m in self.edge_costs], dtype=np.int64)
+        return {
+            "cost": cost, "cost_off": cost_off, "edge": edge, "edge_off": edge_off,
+            "edge_kb": kb, "use": use, "use_off": use_off,
+        }  # fmt: skip
+
+    def term_usage_of(self, choice: np.ndarray) -> np.ndarray:
+        """Usage of every memory term under a core assignment."""
+        f = self._flat
+        return f["use"][f["use_off"][:-1] + choice[self.term_var]]
+
     def evaluate(self, choice: np.ndarray) -> tuple[float, float]:
         """(cost, peak usage) of a core assignment; cost is inf if a forbidden pair is used."""
-        cost = self.const_cost + sum(float(c[i]) for c, i in zip(self.costs, choice, strict=True))
-        for (a, b), mat in zip(self.edges, self.edge_costs, strict=True):
-            cost += float(mat[choice[a], choice[b]])
-        usage = np.array(
-            [u[choice[x]] for x, u in zip(self.term_var, self.term_usages, strict=True)]
-        )
+        choice = np.asarray(choice, dtype=np.int64)
+        f = self._flat
+        cost = self.const_cost + float(f["cost"][f["cost_off"][:-1] + choice].sum())
+        if len(self.edges):
+            a, b = self.edges[:, 0], self.edges[:, 1]
+            cost += float(
+                f["edge"][f["edge_off"][:-1] + choice[a] * f["edge_kb"] + choice[b]].sum()
+            )
         starts = np.concatenate([self.term_intervals[:, 0], self.const_intervals[:, 0]])
         ends = np.concatenate([self.term_intervals[:, 1], self.const_intervals[:, 1]])
-        values = np.concatenate([usage, self.const_usages])
+        values = np.concatenate([self.term_usage_of(choice), self.const_usages])
         return cost, interval_peak(starts, ends, values)[0]
 
 
