@@ -1,46 +1,10 @@
 """alpa_mini: two-level auto-parallel planning for JAX.
 
-Today the planning algorithms are public; the JAX front end and runtimes build on them.
+Today the planning algorithms are public (everything ``alpa_mini.solvers`` exports); the
+JAX front end and the runtimes add their names here as they land.
 """
 
-from .solvers import (
-    Evaluation,
-    InfeasibleError,
-    LayerClustering,
-    LayerCountSearch,
-    ShardingProblem,
-    ShardingSolution,
-    SolverInputError,
-    SolverTimeLimitError,
-    Stage,
-    StageProblem,
-    StageSolution,
-    cluster_layers,
-    evaluate,
-    load_iopddl,
-    save_iopddl,
-    search_num_layers,
-    solve_sharding,
-    solve_stages,
-)
+from . import solvers as _solvers
+from .solvers import *  # noqa: F403  (the explicit list is solvers.__all__)
 
-__all__ = [
-    "Evaluation",
-    "InfeasibleError",
-    "LayerClustering",
-    "LayerCountSearch",
-    "ShardingProblem",
-    "ShardingSolution",
-    "SolverInputError",
-    "SolverTimeLimitError",
-    "Stage",
-    "StageProblem",
-    "StageSolution",
-    "cluster_layers",
-    "evaluate",
-    "load_iopddl",
-    "save_iopddl",
-    "search_num_layers",
-    "solve_sharding",
-    "solve_stages",
-]
+__all__ = [*_solvers.__all__]

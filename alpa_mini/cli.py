@@ -10,8 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .solvers.errors import InfeasibleError, SolverInputError
-from .solvers.ilp import ShardingSolution, SolverTimeLimitError, solve_sharding
+from .solvers.errors import InfeasibleError, SolverInputError, SolverTimeLimitError
+from .solvers.ilp import ShardingSolution, solve_sharding
 from .solvers.sharding_problem import ShardingProblem, load_iopddl
 
 __all__ = ["main"]

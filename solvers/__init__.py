@@ -3,8 +3,8 @@
 This package imports only numpy, pulp and highspy: never jax, ray or the rest of alpa_mini.
 """
 
-from .errors import InfeasibleError, SolverInputError
-from .ilp import ShardingSolution, SolverTimeLimitError, solve_sharding
+from .errors import InfeasibleError, SolverInputError, SolverTimeLimitError
+from .ilp import ShardingSolution, solve_sharding
 from .layer_clustering import LayerClustering, LayerCountSearch, cluster_layers, search_num_layers
 from .sharding_problem import Evaluation, ShardingProblem, evaluate, load_iopddl, save_iopddl
 from .stage_dp import Stage, StageProblem, StageSolution, solve_stages

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["InfeasibleError", "SolverInputError"]
+__all__ = ["InfeasibleError", "SolverInputError", "SolverTimeLimitError"]
 
 
 class SolverInputError(ValueError):
@@ -23,3 +23,7 @@ class InfeasibleError(RuntimeError):
     def __init__(self, message: str, **details: object) -> None:
         super().__init__(message)
         self.details = dict(details)
+
+
+class SolverTimeLimitError(RuntimeError):
+    """No feasible solution was found in time, and infeasibility was not proven either."""

@@ -1,10 +1,11 @@
 """Intra-operator sharding ILP: ``solve_sharding(problem) -> ShardingSolution``.
 
 Pipeline: exact graph simplification (``simplify``) → a fast heuristic incumbent on large
-cores (``local_search``) → the MIP (``mip_model`` + ``mip_backends``) warm-started from it,
-under the caller's time limit → the best assignment mapped back to every original node and
-re-checked with ``evaluate``. The reported status is the solver's own: ``optimal`` only when
-the MIP proved it (or simplification left nothing to decide), else ``feasible`` with a gap.
+cores (``local_search``) → the MIP (``mip_model`` + ``mip_backends``) warm-started from it, or,
+when that MIP is too large for the time limit, exact sub-MIPs region by region (``lns``) →
+the best assignment mapped back to every original node and re-checked with ``evaluate``.
+The reported status is the solver's own: ``optimal`` only when the MIP proved it (or
+simplification left nothing to decide), else ``feasible`` with a gap.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InfeasibleError, SolverInputError
+from .errors import InfeasibleError, SolverInputError, SolverTimeLimitError
 from .lns import improve_by_lns
 from .local_search import local_search, min_peak_assignment
 from .mip_backends import resolve_backend, run_mip
@@ -25,9 +26,8 @@ from .mip_model import build_mip
 from .sharding_problem import ShardingProblem, evaluate, interval_peak
 from .simplify import CoreProblem, Reduction, simplify
 
-__all__ = ["STATUSES", "ShardingSolution", "SolverTimeLimitError", "solve_sharding"]
+__all__ = ["ShardingSolution", "solve_sharding"]
 
-STATUSES = ("optimal", "feasible", "infeasible")
 #: Cores smaller than this many strategies go straight to the MIP (a heuristic adds nothing).
 HEURISTIC_MIN_STRATEGIES = 1000
 #: Under a time limit, a core whose MIP has more columns than this is improved by LNS
@@ -37,13 +37,14 @@ FULL_MIP_MAX_COLUMNS = 250_000
 WARM_START_SECONDS = 5.0
 
 
-class SolverTimeLimitError(RuntimeError):
-    """No feasible assignment was found in time, and infeasibility was not proven either."""
-
-
 @dataclass(frozen=True)
 class ShardingSolution:
-    """The chosen strategy per node, its cost and how the solver got there."""
+    """The chosen strategy per node, its cost and how the solver got there.
+
+    ``status`` is ``optimal`` (proven), ``feasible`` (stopped by the time limit; ``gap`` and
+    ``lower_bound`` say how far from proven, None when unknown) or ``infeasible`` (only with
+    ``on_infeasible="return"``: the lowest-peak assignment found).
+    """
 
     choice: tuple[int, ...]
     objective: float

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import SolverInputError
+from .sharding_problem import check_choice
 from .simplify import CoreProblem
 
 __all__ = [
@@ -1235,19 +1235,7 @@ def local_search(
     deadline = t0 + max(float(time_limit), 0.0)
     s = _Search(core, seed, deadline)
     if initial is not None:
-        initial = np.asarray(initial, dtype=np.int64)
-        if initial.shape != (s.n,):
-            raise SolverInputError(
-                f"initial: expected {s.n} strategy indices (one per core variable), "
-                f"got shape {initial.shape}"
-            )
-        bad = np.flatnonzero((initial < 0) | (initial >= s.k))
-        if bad.size:
-            x = int(bad[0])
-            raise SolverInputError(
-                f"initial[{x}]: strategy {initial[x]} does not exist; variable {x} has "
-                f"{s.k[x]} strategies"
-            )
+        initial = check_choice("initial", initial, s.k, owner="core variable")
     if s.n == 0:
         return _result(s, np.zeros(0, dtype=np.int64), t0)
     if s.nseg and float(s.base.max()) > s.tlimit:

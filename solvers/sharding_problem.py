@@ -30,6 +30,7 @@ __all__ = [
     "FORBIDDEN_COST",
     "Evaluation",
     "ShardingProblem",
+    "check_choice",
     "evaluate",
     "interval_peak",
     "load_iopddl",
@@ -486,19 +487,29 @@ def interval_peak(starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> t
     return float(running[at]), int(grid[at])
 
 
-def evaluate(problem: ShardingProblem, choice: Sequence[int] | np.ndarray) -> Evaluation:
-    """Cost, peak usage and feasibility of ``choice`` (one strategy index per node)."""
-    choice = np.asarray(choice, dtype=np.int64)
-    n = problem.num_nodes
-    if choice.shape != (n,):
-        raise SolverInputError(f"choice: expected {n} strategy indices, got shape {choice.shape}")
-    bad = np.flatnonzero((choice < 0) | (choice >= problem.num_strategies))
+def check_choice(
+    name: str, choice: Sequence[int] | np.ndarray, num_strategies: np.ndarray, owner: str = "node"
+) -> np.ndarray:
+    """``choice`` as an int array, after checking one valid strategy index per ``owner``."""
+    out = np.asarray(choice, dtype=np.int64)
+    n = len(num_strategies)
+    if out.shape != (n,):
+        raise SolverInputError(
+            f"{name}: expected {n} strategy indices (one per {owner}), got shape {out.shape}"
+        )
+    bad = np.flatnonzero((out < 0) | (out >= num_strategies))
     if bad.size:
         v = int(bad[0])
         raise SolverInputError(
-            f"choice[{v}]: strategy {choice[v]} does not exist; node {v} has "
-            f"{problem.num_strategies[v]} strategies"
+            f"{name}[{v}]: strategy {out[v]} does not exist; {owner} {v} has "
+            f"{num_strategies[v]} strategies"
         )
+    return out
+
+
+def evaluate(problem: ShardingProblem, choice: Sequence[int] | np.ndarray) -> Evaluation:
+    """Cost, peak usage and feasibility of ``choice`` (one strategy index per node)."""
+    choice = check_choice("choice", choice, problem.num_strategies)
     ncost = problem.node_costs[problem.node_offsets[:-1] + choice]
     usage = problem.node_usages[problem.node_offsets[:-1] + choice]
     if problem.num_edges:

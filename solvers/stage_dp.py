@@ -689,9 +689,7 @@ def _useful(
     """Mask of the choices (first layer, layer after the last, size) that can join a window
     state at ``start`` to one at ``nxt`` (sizes and windows in the same unit)."""
     alive = lo <= hi
-    return (
-        alive[start] & alive[nxt] & (size >= lo[start] - hi[nxt]) & (size <= hi[start] - lo[nxt])
-    )
+    return alive[start] & alive[nxt] & (size >= lo[start] - hi[nxt]) & (size <= hi[start] - lo[nxt])
 
 
 @dataclass
@@ -887,8 +885,9 @@ def _relaxed_dp(
         if w not in views:
             views[w] = _strided_windows(rows, w)
         # rows[j + 1, d - size] for d = lo..hi, plus the stage's cost, least over choices
-        low, _ = _relax_rows(views[w], None, sel.nxt[None, a:b], pad + lo - sel.size[a:b],
-                             sel.cost[a:b])
+        low, _ = _relax_rows(
+            views[w], None, sel.nxt[None, a:b], pad + lo - sel.size[a:b], sel.cost[a:b]
+        )
         rows[k, pad + lo : pad + hi + 1] = low[0]
     g = float(rows[0, pad + frame.total_u])
     if not math.isfinite(g):
@@ -1091,9 +1090,7 @@ def _memory_dp(
     return res
 
 
-def _probe_from(
-    choices: _Choices, idx: np.ndarray, t: float, g: float, memory_ok: bool
-) -> _Probe:
+def _probe_from(choices: _Choices, idx: np.ndarray, t: float, g: float, memory_ok: bool) -> _Probe:
     """A :class:`_Probe` for the choices ``idx`` (first stage first)."""
     picked = tuple(
         (int(choices.start[e]), int(choices.end[e]), int(choices.mesh[e]), int(choices.config[e]))
@@ -1319,9 +1316,7 @@ class _Search:
             best = self.best_value()
             # candidates t with g_right + (B - 1) t >= best cannot beat the incumbent
             limit = np.searchsorted(cand, (best - g_right) / b1, side="left") - 1
-            for lo, hi, lim in zip(
-                run_lo.tolist(), run_hi.tolist(), limit.tolist(), strict=True
-            ):
+            for lo, hi, lim in zip(run_lo.tolist(), run_hi.tolist(), limit.tolist(), strict=True):
                 if lim < hi:
                     done[max(lo, lim + 1) : hi + 1] = True
             live = limit >= run_lo
@@ -1371,7 +1366,6 @@ def solve_stages(problem: StageProblem) -> StageSolution:
         search.certify(sum_lb)
     assert search.best is not None
     return _make_solution(problem, search.best.choices, search.trace(), t0, "stage_dp")
-
 
 
 # --------------------------------------------------------------------------- reference

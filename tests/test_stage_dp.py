@@ -115,8 +115,9 @@ def test_fast_solver_matches_brute_force(problem: StageProblem) -> None:
         return
     got = solve_stages(problem)
     assert math.isclose(got.objective, expected.objective, rel_tol=1e-9, abs_tol=1e-12)
-    assert math.isclose(check_solution(problem, got), expected.objective, rel_tol=1e-9,
-                        abs_tol=1e-12)
+    assert math.isclose(
+        check_solution(problem, got), expected.objective, rel_tol=1e-9, abs_tol=1e-12
+    )
     assert got.method == "stage_dp"
     trace_t = [t for t, _ in got.tmax_trace]
     assert trace_t == sorted(trace_t)
@@ -133,8 +134,9 @@ def test_reference_matches_brute_force(problem: StageProblem) -> None:
         return
     got = solve_stages_reference(problem)
     assert math.isclose(got.objective, expected.objective, rel_tol=1e-9, abs_tol=1e-12)
-    assert math.isclose(check_solution(problem, got), expected.objective, rel_tol=1e-9,
-                        abs_tol=1e-12)
+    assert math.isclose(
+        check_solution(problem, got), expected.objective, rel_tol=1e-9, abs_tol=1e-12
+    )
     assert got.method == "reference"
 
 
@@ -329,14 +331,22 @@ def _valid_arrays() -> tuple[np.ndarray, np.ndarray]:
     [
         (lambda c, m: (np.ones((2, 3, 3, 2)), m), r"cost must have shape"),
         (lambda c, m: (np.ones((2, 2, 4, 2)), m), r"cost\.shape\[2:\]"),
-        (lambda c, m: (np.ones((2, 2, 3, 2)), np.zeros((2, 2, 3, 1), dtype=np.int64)),
-         r"max_succ must have the shape"),
-        (lambda c, m: (np.where(np.arange(24).reshape(c.shape) == 9, np.nan, c), m),
-         r"cost\[0, 1, 1, 1\] is NaN"),
-        (lambda c, m: (np.where(np.arange(24).reshape(c.shape) == 2, -1.0, c), m),
-         r"cost\[0, 0, 1, 0\] = -1\.0 is negative"),
-        (lambda c, m: (c, np.where(np.arange(24).reshape(c.shape) == 3, -2, m)),
-         r"max_succ\[0, 0, 1, 1\] = -2 is negative"),
+        (
+            lambda c, m: (np.ones((2, 2, 3, 2)), np.zeros((2, 2, 3, 1), dtype=np.int64)),
+            r"max_succ must have the shape",
+        ),
+        (
+            lambda c, m: (np.where(np.arange(24).reshape(c.shape) == 9, np.nan, c), m),
+            r"cost\[0, 1, 1, 1\] is NaN",
+        ),
+        (
+            lambda c, m: (np.where(np.arange(24).reshape(c.shape) == 2, -1.0, c), m),
+            r"cost\[0, 0, 1, 0\] = -1\.0 is negative",
+        ),
+        (
+            lambda c, m: (c, np.where(np.arange(24).reshape(c.shape) == 3, -2, m)),
+            r"max_succ\[0, 0, 1, 1\] = -2 is negative",
+        ),
         (lambda c, m: (c, m + 0.5), r"max_succ\[0, 0, 0, 0\] = 0\.5 is not an integer"),
         (lambda c, m: (np.full(c.shape, "x"), m), r"cost must be a numeric array"),
     ],
@@ -359,8 +369,13 @@ def test_validation_names_field_index_and_value(change, pattern: str) -> None:  
 )
 def test_validation_of_scalars(kwargs: dict, pattern: str) -> None:
     cost, max_succ = _valid_arrays()
-    args = {"num_hosts": 2, "devices_per_host": 2, "cost": cost, "max_succ": max_succ,
-            "num_micro_batches": 4}
+    args = {
+        "num_hosts": 2,
+        "devices_per_host": 2,
+        "cost": cost,
+        "max_succ": max_succ,
+        "num_micro_batches": 4,
+    }
     args.update(kwargs)
     with pytest.raises(SolverInputError, match=pattern):
         StageProblem(**args)
