@@ -96,7 +96,7 @@ def to_markdown(rows: list[dict[str, object]], command: str, backend: str) -> st
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply contest limits")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     only = [x.strip().upper() for x in args.only.split(",") if x.strip()]
     unknown = [x for x in only if x not in CONTEST]
     if unknown:
