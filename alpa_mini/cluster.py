@@ -5,20 +5,43 @@ FLOP/s per dtype, memory and HBM bandwidth, and the intra-host and inter-host li
 from ``configs/clusters/*.yaml`` with errors that name the field. A ``LogicalMesh`` reshapes a
 physical submesh into N-D axes and gives each axis the (alpha, beta) of the slowest link
 it crosses, which is what the alpha-beta collective costs need.
+
+The bundled configs ship inside the package as ``alpa_mini.cluster_configs`` (the folder
+``configs/clusters``): ``ClusterSpec.named("dgx-h100")`` / ``ClusterSpec.load(name_or_path)``
+load them and ``available_clusters()`` lists them. ``ClusterSpec.detect()`` describes the live
+JAX devices (JAX is imported only there, so importing this module stays light).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
+import logging
 import math
+import os
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["ClusterSpec", "ConfigError", "DeviceKind", "Link", "LogicalMesh"]
+__all__ = [
+    "ClusterSpec",
+    "ConfigError",
+    "DeviceKind",
+    "Link",
+    "LogicalMesh",
+    "available_clusters",
+]
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_PACKAGE = "alpa_mini.cluster_configs"
+# Source checkout without an install: the configs folder next to the package.
+_SOURCE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 
 
 class ConfigError(ValueError):
@@ -154,15 +177,125 @@ class ClusterSpec:
     def from_yaml(cls, path: str | Path, *, num_hosts: int | None = None) -> ClusterSpec:
         """Load a cluster YAML; ``num_hosts`` overrides the file's host count."""
         path = Path(path)
+        return cls._from_yaml_text(path.read_text(), str(path), num_hosts)
+
+    @classmethod
+    def _from_yaml_text(cls, text: str, where: str, num_hosts: int | None) -> ClusterSpec:
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+            raise ConfigError(f"{where}: not valid YAML ({err})") from None
         try:
             spec = cls.from_dict(data)
         except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from None
+            raise ConfigError(f"{where}: {err}") from None
         return spec if num_hosts is None else spec.with_hosts(num_hosts)
+
+    @classmethod
+    def named(cls, name: str, *, num_hosts: int | None = None) -> ClusterSpec:
+        """A bundled cluster by name (see ``available_clusters()``), e.g. ``"dgx-h100"``.
+
+        ``num_hosts`` overrides the file's host count. An unknown name raises ``ConfigError``
+        listing the bundled names.
+        """
+        files = _bundled_files()
+        if not isinstance(name, str) or name not in files:
+            raise ConfigError(
+                f"cluster {name!r}: unknown cluster name; bundled clusters: "
+                f"{', '.join(sorted(files))} (or give the path of a cluster YAML)"
+            )
+        return cls._from_yaml_text(files[name].read_text(), f"{name} (bundled)", num_hosts)
+
+    @classmethod
+    def load(
+        cls, name_or_path: str | os.PathLike[str], *, num_hosts: int | None = None
+    ) -> ClusterSpec:
+        """A bundled cluster name (``"cpu-2x4"``, ``"dgx-h100"``, ...) or a cluster YAML path.
+
+        A bundled name wins over a same-named file in the working directory. A string is read
+        as a path when it ends in ``.yaml``/``.yml``, contains a path separator, or names an
+        existing file; anything else must be a bundled name.
+        """
+        if isinstance(name_or_path, str) and name_or_path in _bundled_files():
+            return cls.named(name_or_path, num_hosts=num_hosts)
+        if isinstance(name_or_path, os.PathLike) or (
+            isinstance(name_or_path, str) and _looks_like_path(name_or_path)
+        ):
+            path = Path(name_or_path)
+            if not path.is_file():
+                raise ConfigError(f"{path}: no such cluster file")
+            return cls.from_yaml(path, num_hosts=num_hosts)
+        return cls.named(name_or_path, num_hosts=num_hosts)  # raises, listing the names
+
+    @classmethod
+    def detect(cls, devices: Sequence[Any] | None = None) -> ClusterSpec:
+        """Describe live JAX devices (default: ``jax.devices()``) as a ``ClusterSpec``.
+
+        Hosts are the distinct ``process_index`` values; every process must hold the same
+        number of devices. The figures come from the bundled configs:
+
+        - CPU devices: ``cpu-1x8``'s device and intra-host link; with several processes the
+          inter-host link is ``cpu-2x4``'s (gloo over loopback TCP).
+        - GPUs, matched on ``device_kind``: "H100" -> ``dgx-h100``; "H200" -> ``dgx-h100``
+          (same Hopper compute; the H100's HBM bandwidth is an underestimate); "A100" ->
+          ``dgx-a100``; "V100" -> ``p3.16xlarge``. Device and both links come from that file.
+        - Anything else is planned with the conservative default, the weakest bundled GPU
+          host (``p3.16xlarge``: V100 FLOP/s and HBM bandwidth, NVLink inside a host, 25 Gb/s
+          between hosts); a warning names the unknown kind.
+
+        For non-CPU devices the memory is the smallest ``memory_stats()["bytes_limit"]``
+        (what XLA's allocator may use) when the devices report it, else the file's figure.
+        The device name is the live ``device_kind``. Only this method imports JAX.
+        """
+        if devices is None:
+            import jax
+
+            devices = jax.devices()
+        devices = list(devices)
+        if not devices:
+            raise ConfigError("detect: no devices to describe")
+        per_process = Counter(d.process_index for d in devices)
+        counts = set(per_process.values())
+        if len(counts) != 1:
+            raise ConfigError(
+                f"detect: uneven devices per process (process_index: count) "
+                f"{dict(sorted(per_process.items()))}; a ClusterSpec needs the same number "
+                "of devices on every host"
+            )
+        kinds = sorted({(str(d.platform), str(d.device_kind)) for d in devices})
+        if len(kinds) != 1:
+            raise ConfigError(
+                f"detect: mixed device kinds {kinds}; a ClusterSpec has one device kind"
+            )
+        platform, device_kind = kinds[0]
+        num_hosts, per_host = len(per_process), counts.pop()
+
+        label = _match_device_kind(platform, device_kind)
+        if label is None:
+            logger.warning(
+                "ClusterSpec.detect: unknown device kind %r (platform %r); planning with the "
+                "conservative default figures of %s (V100 FLOP/s, memory and links). Pass a "
+                "cluster YAML for accurate plans.",
+                device_kind,
+                platform,
+                _DEFAULT_CLUSTER,
+            )
+        base = cls.named(label or _DEFAULT_CLUSTER)
+        inter = base.inter_host
+        if label == "cpu-1x8" and num_hosts > 1:
+            inter = cls.named("cpu-2x4").inter_host
+        memory = base.device.memory_bytes
+        if label != "cpu-1x8":
+            memory = _bytes_limit(devices) or memory
+        device = dataclasses.replace(base.device, name=device_kind, memory_bytes=memory)
+        return cls(
+            name=f"detected-{label or 'unknown'}-{num_hosts}x{per_host}",
+            num_hosts=num_hosts,
+            devices_per_host=per_host,
+            device=device,
+            intra_host=base.intra_host,
+            inter_host=inter,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,6 +313,65 @@ class ClusterSpec:
     ) -> LogicalMesh:
         """A logical mesh of ``shape`` over a (hosts, devices) submesh (default: all)."""
         return LogicalMesh.over(self, submesh or (self.num_hosts, self.devices_per_host), shape)
+
+
+# ---------------------------------------------------------------------- bundled configs
+# detect(): device_kind substring -> bundled config whose figures describe it (first match).
+_GPU_KINDS = (
+    ("H100", "dgx-h100"),
+    ("H200", "dgx-h100"),
+    ("A100", "dgx-a100"),
+    ("V100", "p3.16xlarge"),
+)
+# detect(): figures for device kinds not listed above: the weakest bundled GPU host.
+_DEFAULT_CLUSTER = "p3.16xlarge"
+
+
+def _bundled_files() -> dict[str, Any]:
+    """Bundled cluster name -> its YAML (an ``importlib.resources`` Traversable or Path)."""
+    try:
+        root: Any = importlib.resources.files(_CONFIG_PACKAGE)
+    except ModuleNotFoundError:  # running from a source tree that was never installed
+        root = _SOURCE_CONFIGS
+    return {
+        entry.name.removesuffix(".yaml"): entry
+        for entry in root.iterdir()
+        if entry.name.endswith(".yaml") and entry.is_file()
+    }
+
+
+def available_clusters() -> list[str]:
+    """Names of the bundled cluster configs, for ``ClusterSpec.named`` / ``ClusterSpec.load``."""
+    return sorted(_bundled_files())
+
+
+def _looks_like_path(text: str) -> bool:
+    seps = {"/", os.sep, *([os.altsep] if os.altsep else [])}
+    return (
+        text.endswith((".yaml", ".yml")) or any(sep in text for sep in seps) or Path(text).is_file()
+    )
+
+
+def _match_device_kind(platform: str, device_kind: str) -> str | None:
+    """The bundled config whose figures describe this device, or None if unknown."""
+    if platform == "cpu":
+        return "cpu-1x8"
+    kind = device_kind.upper()
+    return next((config for token, config in _GPU_KINDS if token in kind), None)
+
+
+def _bytes_limit(devices: Sequence[Any]) -> float | None:
+    """The smallest allocator limit the (addressable) devices report, if any do."""
+    limits = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # not addressable from this process, or not supported
+            continue
+        limit = (stats or {}).get("bytes_limit")
+        if isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0:
+            limits.append(float(limit))
+    return min(limits) if limits else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,330 @@
+"""OpGraph + mesh + cost model -> ShardingProblem -> solver -> ShardingPlan.
+
+ILP nodes are, in order: one per graph input (its layout), one per operator (its strategy),
+and one sink per graph output (the layout it is returned in). Edges price resharding from a
+producer's result layout to each consumer's operand layout; aliases tie an updated state
+output to its input so a step can be called again without moving anything. Memory: each
+node's results live from the node to their last reader; inputs the caller keeps live
+throughout (donated ones until their last reader).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import CostModel
+from .op_graph import OpGraph
+from .plan import NodePlan, PlannedCollective, ShardingPlan, TensorPlan
+from .sharding_spec import ShardingSpec
+from .solvers import InfeasibleError, ShardingProblem, ShardingSolution, solve_sharding
+from .strategies import Strategy, input_strategies, loop_nest, node_strategies
+
+__all__ = ["MemoryBudgetError", "ShardingInstance", "build_sharding_problem", "plan_sharding"]
+
+log = logging.getLogger("alpa_mini.auto_sharding")
+_warned: set[str] = set()
+
+SpecFilter = Callable[[ShardingSpec], bool]
+
+
+class MemoryBudgetError(ValueError):
+    """No layout fits the memory budget; ``min_budget`` is the smallest per-device peak found."""
+
+    def __init__(self, message: str, min_budget: float | None) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+
+@dataclass(frozen=True, eq=False)
+class ShardingInstance:
+    """A built problem and the strategy behind each of its choices."""
+
+    problem: ShardingProblem
+    strategies: tuple[tuple[Strategy, ...], ...]  # per ILP node
+    num_inputs: int
+    num_ops: int
+    edge_info: tuple[tuple[int, int, int, int, float], ...]  # (u, v, operand, tensor, weight)
+
+
+def build_sharding_problem(
+    graph: OpGraph,
+    cost: CostModel,
+    *,
+    input_filters: Sequence[SpecFilter | None] | None = None,
+    output_filters: Sequence[SpecFilter | None] | None = None,
+    aliases: Sequence[tuple[int, int]] = (),
+    donated: Sequence[int] = (),
+    memory_budget: float | None = None,
+) -> ShardingInstance:
+    """The ILP instance of ``graph`` on ``cost.mesh``; see the module docstring."""
+    mesh_shape = cost.mesh.shape
+    n_in, n_ops, n_out = len(graph.inputs), len(graph.nodes), len(graph.outputs)
+    input_filters = list(input_filters or [None] * n_in)
+    output_filters = list(output_filters or [None] * n_out)
+    alias_of_output = {o: i for i, o in aliases}
+    strategies: list[tuple[Strategy, ...]] = []
+    for i, t in enumerate(graph.inputs):
+        tensor = graph.tensors[t]
+        strategies.append(
+            tuple(input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i]))
+        )
+        if not strategies[-1]:
+            raise ValueError(
+                f"input {tensor.name}: no layout of shape {tensor.shape} on mesh {mesh_shape} "
+                "satisfies the method's constraints"
+            )
+    for node in graph.nodes:
+        if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
+            _warned.add(node.primitive)
+            log.warning(
+                "alpa_mini has no sharding rule for primitive %r; it runs replicated",
+                node.primitive,
+            )
+        strategies.append(tuple(node_strategies(node, graph, cost)))
+    for k, t in enumerate(graph.outputs):
+        tensor = graph.tensors[t]
+        filt = output_filters[k]
+        if k in alias_of_output:
+            filt = input_filters[alias_of_output[k]]
+        outs = input_strategies(tensor.shape, 0, mesh_shape, filt)
+        strategies.append(tuple(outs) or (input_strategies(tensor.shape, 0, mesh_shape)[0],))
+
+    # ---------------------------------------------------------------- memory intervals
+    end_time = n_ops + 2
+    producer_ilp: dict[int, tuple[int, int]] = {}  # tensor -> (ILP node, result index)
+    input_pos = {t: i for i, t in enumerate(graph.inputs)}
+    for i, t in enumerate(graph.inputs):
+        producer_ilp.setdefault(t, (i, 0))
+    for node in graph.nodes:
+        for k, t in enumerate(node.outputs):
+            producer_ilp[t] = (n_in + node.id, k)
+    last_use: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t is not None:
+                last_use[t] = max(last_use.get(t, 0), node.id + 1)
+    for t in graph.outputs:
+        last_use[t] = end_time
+    donated_set = set(donated)
+    intervals = []
+    for i, t in enumerate(graph.inputs):
+        end = last_use.get(t, 1) + 1 if i in donated_set else end_time
+        intervals.append((0, end))
+    for node in graph.nodes:
+        start = node.id + 1
+        end = max([last_use.get(t, start) + 1 for t in node.outputs] + [start + 1])
+        intervals.append((start, end))
+    intervals += [(end_time, end_time)] * n_out
+
+    # ---------------------------------------------------------------- edges
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    edge_info = []
+
+    def add_edge(u: int, v: int, matrix: np.ndarray) -> None:
+        if u == v or not np.any(matrix):
+            if u != v:
+                edges.setdefault((u, v), np.zeros_like(matrix))
+            return
+        if (u, v) in edges:
+            edges[(u, v)] = edges[(u, v)] + matrix
+        elif (v, u) in edges:
+            edges[(v, u)] = edges[(v, u)] + matrix.T
+        else:
+            edges[(u, v)] = matrix
+
+    def reshard_matrix(
+        t: int, src: Sequence[ShardingSpec], dst: Sequence[ShardingSpec | None], weight: float
+    ) -> np.ndarray:
+        tensor = graph.tensors[t]
+        src_u = list(dict.fromkeys(src))
+        dst_u = list(dict.fromkeys(d for d in dst if d is not None))
+        table = np.zeros((len(src_u), len(dst_u) + 1))
+        for a, s in enumerate(src_u):
+            for b, d in enumerate(dst_u):
+                table[a, b] = cost.reshard(tensor.shape, tensor.itemsize, s, d)
+        si = np.array([src_u.index(s) for s in src])
+        di = np.array([len(dst_u) if d is None else dst_u.index(d) for d in dst])
+        return table[np.ix_(si, di)] * weight
+
+    for node in graph.nodes:
+        v = n_in + node.id
+        for k, t in enumerate(node.inputs):
+            if t is None or t not in producer_ilp or graph.tensors[t].role == "const":
+                continue
+            u, idx = producer_ilp[t]
+            w = node.weight(k)
+            src = [s.out_specs[idx] for s in strategies[u]]
+            dst = [s.in_specs[k] for s in strategies[v]]
+            add_edge(u, v, reshard_matrix(t, src, dst, w))
+            edge_info.append((u, v, k, t, w))
+    for k, t in enumerate(graph.outputs):
+        if graph.tensors[t].role == "const" or t not in producer_ilp:
+            continue
+        u, idx = producer_ilp[t]
+        v = n_in + n_ops + k
+        src = [s.out_specs[idx] for s in strategies[u]]
+        dst = [s.out_specs[0] for s in strategies[v]]
+        add_edge(u, v, reshard_matrix(t, src, dst, 1.0))
+        edge_info.append((u, v, 0, t, 1.0))
+
+    names = [graph.tensors[t].name for t in graph.inputs]
+    names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
+    names += [f"out{k}" for k in range(n_out)]
+    problem = ShardingProblem.from_lists(
+        costs=[[s.compute + s.comm for s in strats] for strats in strategies],
+        usages=[[s.memory for s in strats] for strats in strategies],
+        intervals=intervals,
+        edges=list(edges.keys()),
+        edge_costs=[m.ravel() for m in edges.values()],
+        usage_limit=memory_budget,
+        aliases=[(i, n_in + n_ops + o) for i, o in aliases],
+        name="alpa_mini",
+        node_names=names,
+        strategy_names=[[s.name for s in strats] for strats in strategies],
+    )
+    del input_pos
+    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info))
+
+
+def plan_sharding(
+    graph: OpGraph,
+    cost: CostModel,
+    axis_names: Sequence[str],
+    *,
+    input_filters: Sequence[SpecFilter | None] | None = None,
+    output_filters: Sequence[SpecFilter | None] | None = None,
+    aliases: Sequence[tuple[int, int]] = (),
+    donated: Sequence[int] = (),
+    memory_budget: float | None = None,
+    backend: str = "auto",
+    time_limit: float | None = 60.0,
+) -> ShardingPlan:
+    """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits."""
+    t0 = time.perf_counter()
+    inst = build_sharding_problem(
+        graph,
+        cost,
+        input_filters=input_filters,
+        output_filters=output_filters,
+        aliases=aliases,
+        donated=donated,
+        memory_budget=memory_budget,
+    )
+    build_time = time.perf_counter() - t0
+    try:
+        sol = solve_sharding(inst.problem, backend=backend, time_limit=time_limit)
+    except InfeasibleError as err:
+        min_peak = err.details.get("min_peak")
+        need = "unknown" if min_peak is None else f"{min_peak / 2**20:.2f} MiB"
+        raise MemoryBudgetError(
+            f"memory_budget: {memory_budget / 2**20:.2f} MiB per device is too small for this "
+            f"program on mesh {cost.mesh.shape}; the smallest peak found is {need} per device "
+            "(raise the budget, use more devices, or a larger mesh)",
+            min_peak,
+        ) from None
+    return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+
+
+def read_plan(
+    graph: OpGraph,
+    cost: CostModel,
+    axis_names: Sequence[str],
+    inst: ShardingInstance,
+    sol: ShardingSolution,
+    memory_budget: float | None,
+    build_time: float,
+) -> ShardingPlan:
+    """Turn a solver choice into a ``ShardingPlan``."""
+    chosen = [inst.strategies[v][c] for v, c in enumerate(sol.choice)]
+    n_in, n_ops = inst.num_inputs, inst.num_ops
+    specs: list[ShardingSpec | None] = [None] * len(graph.tensors)
+    for i, t in enumerate(graph.inputs):
+        specs[t] = chosen[i].out_specs[0]
+    for node in graph.nodes:
+        for k, t in enumerate(node.outputs):
+            specs[t] = chosen[n_in + node.id].out_specs[k]
+    tensors = tuple(
+        TensorPlan(t.name, t.shape, t.dtype, t.role, None if t.role == "const" else specs[t.id])
+        for t in graph.tensors
+    )
+    nodes = tuple(
+        NodePlan(
+            n.primitive,
+            chosen[n_in + n.id].name,
+            chosen[n_in + n.id].in_specs,
+            chosen[n_in + n.id].compute,
+            chosen[n_in + n.id].comm,
+            n.source,
+            len(inst.strategies[n_in + n.id]),
+        )
+        for n in graph.nodes
+    )
+    collectives: list[PlannedCollective] = []
+    for node in graph.nodes:
+        for c in chosen[n_in + node.id].collectives:
+            collectives.append(
+                PlannedCollective(
+                    c.kind, c.axes, c.nbytes, c.seconds * node.multiplier, "op", node.id
+                )
+            )
+    reshard_time = 0.0
+    seen: set[tuple[int, ShardingSpec, ShardingSpec]] = set()
+    for u, v, k, t, w in inst.edge_info:
+        src = chosen[u].out_specs[_result_index(graph, inst, u, t)]
+        dst = chosen[v].in_specs[k] if v < n_in + n_ops else chosen[v].out_specs[0]
+        if dst is None:
+            continue
+        tensor = graph.tensors[t]
+        if (t, src, dst) in seen:
+            continue  # XLA computes one resharded copy per (tensor, layout) for all readers
+        seen.add((t, src, dst))
+        for kind, axes, nbytes, seconds in cost.reshard_steps(
+            tensor.shape, tensor.itemsize, src, dst
+        ):
+            node_id = v - n_in if v < n_in + n_ops else -1
+            collectives.append(
+                PlannedCollective(kind, axes, nbytes, seconds * w, "reshard", node_id, t)
+            )
+            reshard_time += seconds * w
+    compute = sum(s.compute for s in chosen)
+    comm = sum(s.comm for s in chosen)
+    core = (sol.reduction.get("nodes") or (None, None))[1]
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "solve_time": sol.solve_time,
+        "build_time": build_time,
+        "backend": sol.backend,
+        "nodes": inst.problem.num_nodes,
+        "edges": inst.problem.num_edges,
+        "core_nodes": core,
+    }
+    output_specs = tuple(chosen[n_in + n_ops + k].out_specs[0] for k in range(len(graph.outputs)))
+    return ShardingPlan(
+        mesh_shape=tuple(cost.mesh.shape),
+        axis_names=tuple(axis_names),
+        tensors=tensors,
+        nodes=nodes,
+        inputs=tuple(graph.inputs),
+        outputs=tuple(graph.outputs),
+        output_specs=output_specs,
+        collectives=tuple(collectives),
+        compute_time=compute,
+        comm_time=comm,
+        reshard_time=reshard_time,
+        peak_memory=sol.peak_usage,
+        memory_budget=memory_budget,
+        solver=solver,
+    )
+
+
+def _result_index(graph: OpGraph, inst: ShardingInstance, u: int, t: int) -> int:
+    if u < inst.num_inputs:
+        return 0
+    return graph.nodes[u - inst.num_inputs].outputs.index(t)

@@ -1,0 +1,128 @@
+"""Analytic costs on one logical mesh: roofline compute, alpha-beta collectives, resharding.
+
+Formulas (DESIGN 5.4). For a group of n devices exchanging a per-device buffer of B bytes:
+all-reduce alpha + 2 beta (n-1)/n B; all-gather (B = the gathered result) and reduce-scatter
+(B = the full input) alpha + beta (n-1)/n B; all-to-all alpha + beta (n-1)/n^2 B n/2 =
+alpha + beta (n-1)/(2n) B. A collective over several mesh axes runs as one group of the
+product size and pays the slowest axis's link (the one with the largest alpha and beta).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .cluster import ClusterSpec, LogicalMesh
+from .sharding_spec import ShardingSpec
+
+__all__ = ["CostModel"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs in seconds for one (cluster, logical mesh) pair."""
+
+    cluster: ClusterSpec
+    mesh: LogicalMesh
+    _reshard_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, flops: float, bytes_accessed: float, dtype: str, parallel: int) -> float:
+        """Roofline time of work split over ``parallel`` devices (the rest redo it)."""
+        device = self.cluster.device
+        return max(flops / device.flops_for(dtype), bytes_accessed / device.memory_bandwidth) / max(
+            parallel, 1
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def _group(self, axes: Sequence[int]) -> tuple[int, float, float]:
+        axes = [a for a in axes if self.mesh.shape[a] > 1]
+        if not axes:
+            return 1, 0.0, 0.0
+        n = math.prod(self.mesh.shape[a] for a in axes)
+        return n, max(self.mesh.alphas[a] for a in axes), max(self.mesh.betas[a] for a in axes)
+
+    def all_reduce(self, nbytes: float, axes: Sequence[int]) -> float:
+        n, alpha, beta = self._group(axes)
+        return 0.0 if n == 1 else alpha + 2.0 * beta * (n - 1) / n * nbytes
+
+    def all_gather(self, nbytes: float, axes: Sequence[int]) -> float:
+        """``nbytes`` is the gathered (result) buffer per device."""
+        n, alpha, beta = self._group(axes)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+    @property
+    def native_reduce_scatter(self) -> bool:
+        """XLA's CPU backend has no reduce-scatter: it all-reduces, then slices locally."""
+        return self.cluster.device.name.lower() != "cpu"
+
+    def reduce_scatter(self, nbytes: float, axes: Sequence[int]) -> float:
+        """``nbytes`` is the full (input) buffer per device."""
+        if not self.native_reduce_scatter:
+            return self.all_reduce(nbytes, axes)
+        n, alpha, beta = self._group(axes)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+    def all_to_all(self, nbytes: float, axes: Sequence[int]) -> float:
+        n, alpha, beta = self._group(axes)
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / (2.0 * n) * nbytes
+
+    # ------------------------------------------------------------------ resharding
+    def reshard(
+        self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
+    ) -> float:
+        """Time to turn a tensor laid out as ``src`` into ``dst`` (see ``reshard_steps``)."""
+        return sum(cost for _, _, _, cost in self.reshard_steps(shape, itemsize, src, dst))
+
+    def reshard_steps(
+        self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
+    ) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:
+        """The collectives ``src -> dst`` needs: (kind, axes, bytes, seconds) per step."""
+        key = (tuple(shape), itemsize, src, dst)
+        steps = self._reshard_cache.get(key)
+        if steps is None:
+            steps = self._reshard_cache[key] = _reshard_steps(self, *key)
+        return steps
+
+
+def _reshard_steps(
+    model: CostModel,
+    shape: tuple[int, ...],
+    itemsize: int,
+    src: ShardingSpec,
+    dst: ShardingSpec,
+) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:
+    """Per mesh axis: kept where both specs split the same dim at the same place; moved by an
+    all-to-all when it splits another dim in ``dst``; gathered when ``dst`` replicates it.
+    Axes only ``dst`` splits are free (each device slices its own part). All-to-alls run
+    first on the source layout, then gathers, each priced at the per-device size it sees."""
+    if src == dst:
+        return ()
+    mesh_shape = model.mesh.shape
+    full = math.prod(shape) * itemsize
+
+    def place(spec: ShardingSpec) -> dict[int, tuple[int, int]]:
+        return {a: (d, i) for d, axes in enumerate(spec.dims) for i, a in enumerate(axes)}
+
+    src_at, dst_at = place(src), place(dst)
+    moved, gathered = [], []
+    for axis, (dim, pos) in src_at.items():
+        target = dst_at.get(axis)
+        if target is None:
+            gathered.append(axis)
+        elif target[0] != dim:
+            moved.append(axis)
+        elif target[1] != pos or src.dims[dim][:pos] != dst.dims[dim][:pos]:
+            # Same dim but a different nesting: the blocks differ, so regather that axis.
+            gathered.append(axis)
+    steps: list[tuple[str, tuple[int, ...], float, float]] = []
+    shards = src.num_shards(mesh_shape)
+    if moved:
+        nbytes = full / shards
+        steps.append(("all-to-all", tuple(moved), nbytes, model.all_to_all(nbytes, moved)))
+    if gathered:
+        remaining = shards // math.prod(mesh_shape[a] for a in gathered)
+        nbytes = full / remaining
+        steps.append(("all-gather", tuple(gathered), nbytes, model.all_gather(nbytes, gathered)))
+    return tuple(steps)

@@ -1,0 +1,21 @@
+"""Test-session setup: 8 simulated CPU devices, set before any test starts JAX's backend.
+
+The count is process-global and fixed once the backend starts, so it is set here, at
+collection time, and every in-process test sees the same 8 devices. Tests of other counts
+run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+NUM_TEST_DEVICES = 8
+
+try:
+    import jax
+except ImportError:  # the solver tests do not need JAX
+    jax = None
+else:
+    jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
+    jax.config.update("jax_enable_x64", False)
