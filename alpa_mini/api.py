@@ -184,6 +184,9 @@ class ParallelizedFunction:
                 method.input_filter(role, graph.tensors[t].shape, shape)
                 for role, t in zip(roles, graph.inputs, strict=True)
             ]
+            out_filters = [_replicated_only if method.replicate_outputs else None] * len(
+                graph.outputs
+            )
             budget = method.memory_budget or cluster.device.memory_bytes
             try:
                 plan = plan_sharding(
@@ -191,6 +194,7 @@ class ParallelizedFunction:
                     cost,
                     names,
                     input_filters=filters,
+                    output_filters=out_filters,
                     aliases=aliases,
                     donated=donated,
                     memory_budget=budget,
@@ -244,6 +248,10 @@ class ParallelizedFunction:
                 raise ValueError(f"donate_argnums: {i} is out of range for {n} array arguments")
         chosen = {i % n for i in self.donate_argnums}
         return [k for k, o in enumerate(owner) if o in chosen]
+
+
+def _replicated_only(spec) -> bool:
+    return not spec.used_axes
 
 
 def _submesh(cluster, num: int) -> tuple[int, int]:

@@ -10,6 +10,7 @@ throughout (donated ones until their last reader).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -68,15 +69,25 @@ def build_sharding_problem(
     output_filters = list(output_filters or [None] * n_out)
     alias_of_output = {o: i for i, o in aliases}
     strategies: list[tuple[Strategy, ...]] = []
+    # A batch arrives from the host every step: each device receives its own part, priced at
+    # the intra-host link (the host-to-device path). State stays on the devices across steps.
+    load = 1.0 / cost.cluster.intra_host.bandwidth
     for i, t in enumerate(graph.inputs):
         tensor = graph.tensors[t]
-        strategies.append(
-            tuple(input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i]))
-        )
+        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i])
+        if tensor.role == "batch":
+            layouts = [dataclasses.replace(s, compute=s.memory * load) for s in layouts]
+        strategies.append(tuple(layouts))
         if not strategies[-1]:
+            rule = {
+                "batch": "the batch's leading dim split over every mesh axis",
+                "param": "parameters split over every mesh axis",
+                "state": "state split over every mesh axis",
+            }.get(tensor.role, "its role's layout")
             raise ValueError(
-                f"input {tensor.name}: no layout of shape {tensor.shape} on mesh {mesh_shape} "
-                "satisfies the method's constraints"
+                f"input {tensor.name} ({tensor.role}): shape {tensor.shape} has no layout on "
+                f"mesh {mesh_shape} that satisfies the method ({rule}); split dims must divide "
+                "evenly by the mesh axes they use"
             )
     for node in graph.nodes:
         if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
@@ -217,7 +228,11 @@ def plan_sharding(
     )
     build_time = time.perf_counter() - t0
     try:
-        sol = solve_sharding(inst.problem, backend=backend, time_limit=time_limit)
+        # The planner's graphs simplify to a few hundred nodes that HiGHS solves directly; the
+        # local-search warm start (built for contest-sized cores) would only add seconds.
+        sol = solve_sharding(
+            inst.problem, backend=backend, time_limit=time_limit, heuristic_time=0.0
+        )
     except InfeasibleError as err:
         min_peak = err.details.get("min_peak")
         need = "unknown" if min_peak is None else f"{min_peak / 2**20:.2f} MiB"

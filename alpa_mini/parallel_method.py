@@ -39,13 +39,16 @@ class ShardParallel:
         the fastest predicted plan. memory_budget: bytes per device (None: the device's memory).
     batch_axis: force the batch's leading dim to be split over this mesh axis.
     num_micro_batches: gradient accumulation for ``alpa_mini.grad``/``value_and_grad`` in the
-        step. backend/time_limit: for the ILP solver.
+        step. replicate_outputs: return every output that is not updated state replicated (as
+    a serial program would); by default outputs keep whatever layout is cheapest.
+    backend/time_limit: for the ILP solver.
     """
 
     mesh_shape: tuple[int, ...] | None = None
     memory_budget: float | None = None
     batch_axis: int | None = None
     num_micro_batches: int = 1
+    replicate_outputs: bool = False
     backend: str = "auto"
     time_limit: float = 60.0
     layout: str = "auto"

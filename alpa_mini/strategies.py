@@ -415,27 +415,34 @@ def _gather(node, shapes, outs) -> LoopNest:
 
 def _scatter(node, shapes, outs) -> LoopNest:
     dn = node.params["dimension_numbers"]
-    if dn.operand_batching_dims:
-        raise _NoRule
     operand, indices, updates = shapes[0], shapes[1], shapes[2]
     sizes = list(operand)
     fixed = set(dn.scatter_dims_to_operand_dims) | set(dn.inserted_window_dims)
     scatter_dims = [d for d in range(len(updates)) if d not in dn.update_window_dims]
-    if len(scatter_dims) != len(indices) - 1:
+    index_dims = list(range(len(indices) - 1))  # the last indices dim holds the index vector
+    if len(scatter_dims) != len(index_dims):
         raise _NoRule
+    batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims, strict=True))
     umap: list[int | None] = [None] * len(updates)
     imap: list[int | None] = [None] * len(indices)
     reductions = []
-    summed = node.primitive == "scatter-add" or node.primitive == "scatter_add"
-    for k, d in enumerate(scatter_dims):
-        loop = len(sizes)
-        sizes.append(updates[d])
-        umap[d] = imap[k] = loop
-        if summed:
-            reductions.append((loop, "sum"))
+    summed = node.primitive in ("scatter-add", "scatter_add")
+    for ud, idim in zip(scatter_dims, index_dims, strict=True):
+        if idim in batching:  # each batch element scatters into its own operand slice
+            loop = batching[idim]
         else:
-            fixed.add(loop)
-    window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims]
+            loop = len(sizes)
+            sizes.append(updates[ud])
+            if summed:  # contributions from different devices add up: a reduction
+                reductions.append((loop, "sum"))
+            else:
+                fixed.add(loop)
+        umap[ud] = imap[idim] = loop
+    window = [
+        d
+        for d in range(len(operand))
+        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+    ]
     for ud, od in zip(dn.update_window_dims, window, strict=True):
         if updates[ud] == operand[od] and od not in fixed:
             umap[ud] = od
