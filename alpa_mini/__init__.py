@@ -2,23 +2,42 @@
 
 Decorate a train step with ``@alpa_mini.parallelize(method=...)`` after ``alpa_mini.init()``;
 the planning algorithms (everything ``alpa_mini.solvers`` exports) are public too.
+
+Names that need JAX load on first use (PEP 562), so ``import alpa_mini.solvers`` and the
+cluster descriptions stay free of JAX and Ray.
 """
 
+from importlib import import_module
+from typing import Any
+
 from . import solvers as _solvers
-from .api import ParallelizedFunction, parallelize
-from .auto_sharding import MemoryBudgetError
 from .cluster import ClusterSpec, ConfigError, LogicalMesh, available_clusters
-from .cost_model import CostModel
-from .device_setup import current_cluster, init, is_initialized, shutdown
-from .executable import CollectiveReport, Executable
-from .micro_batch import grad, value_and_grad
-from .op_graph import OpGraph
-from .parallel_method import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
-from .plan import ShardingPlan
-from .sharding_spec import ShardingSpec
 from .solvers import *  # noqa: F403  (the explicit list is solvers.__all__)
 
-__all__ = [
+# public name -> module that defines it (imported lazily)
+_LAZY = {
+    "CollectiveReport": "executable",
+    "CostModel": "cost_model",
+    "DataParallel": "parallel_method",
+    "Executable": "executable",
+    "MemoryBudgetError": "auto_sharding",
+    "OpGraph": "op_graph",
+    "ParallelizedFunction": "api",
+    "ShardParallel": "parallel_method",
+    "ShardingPlan": "plan",
+    "ShardingSpec": "sharding_spec",
+    "Zero2Parallel": "parallel_method",
+    "Zero3Parallel": "parallel_method",
+    "current_cluster": "device_setup",
+    "grad": "micro_batch",
+    "init": "device_setup",
+    "is_initialized": "device_setup",
+    "parallelize": "api",
+    "shutdown": "device_setup",
+    "value_and_grad": "micro_batch",
+}
+
+__all__ = [  # noqa: F405  (lazy names resolve through __getattr__)
     "ClusterSpec",
     "CollectiveReport",
     "ConfigError",
@@ -44,3 +63,16 @@ __all__ = [
     "value_and_grad",
     *_solvers.__all__,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'alpa_mini' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

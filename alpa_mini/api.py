@@ -176,7 +176,7 @@ class ParallelizedFunction:
         devices = jax.devices()[: cluster.num_devices]
         num = len(devices)
         plans, errors = [], []
-        for shape in method.mesh_shapes(num):
+        for shape in method.mesh_shapes(num, cluster.devices_per_host):
             logical = cluster.logical_mesh(shape, _submesh(cluster, num))
             cost = CostModel(cluster, logical)
             names = AXIS_NAMES[: len(shape)]

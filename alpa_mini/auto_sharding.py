@@ -22,8 +22,20 @@ from .cost_model import CostModel
 from .op_graph import OpGraph
 from .plan import NodePlan, PlannedCollective, ShardingPlan, TensorPlan
 from .sharding_spec import ShardingSpec
-from .solvers import InfeasibleError, ShardingProblem, ShardingSolution, solve_sharding
-from .strategies import Strategy, input_strategies, loop_nest, node_strategies
+from .solvers import (
+    InfeasibleError,
+    ShardingProblem,
+    ShardingSolution,
+    SolverTimeLimitError,
+    solve_sharding,
+)
+from .strategies import (
+    Strategy,
+    input_strategies,
+    loop_nest,
+    node_strategies,
+    symmetric_axis_pairs,
+)
 
 __all__ = ["MemoryBudgetError", "ShardingInstance", "build_sharding_problem", "plan_sharding"]
 
@@ -31,6 +43,9 @@ log = logging.getLogger("alpa_mini.auto_sharding")
 _warned: set[str] = set()
 
 SpecFilter = Callable[[ShardingSpec], bool]
+
+#: Cores with at least this many strategies get a local-search incumbent before the MIP.
+HEURISTIC_MIN_CORE_STRATEGIES = 8000
 
 
 class MemoryBudgetError(ValueError):
@@ -50,6 +65,7 @@ class ShardingInstance:
     num_inputs: int
     num_ops: int
     edge_info: tuple[tuple[int, int, int, int, float], ...]  # (u, v, operand, tensor, weight)
+    sinks: tuple[int, ...]  # per graph output: the ILP node whose layout it is returned in
 
 
 def build_sharding_problem(
@@ -72,9 +88,10 @@ def build_sharding_problem(
     # A batch arrives from the host every step: each device receives its own part, priced at
     # the intra-host link (the host-to-device path). State stays on the devices across steps.
     load = 1.0 / cost.cluster.intra_host.bandwidth
+    twins = symmetric_axis_pairs(cost)
     for i, t in enumerate(graph.inputs):
         tensor = graph.tensors[t]
-        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i])
+        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i], twins)
         if tensor.role == "batch":
             layouts = [dataclasses.replace(s, compute=s.memory * load) for s in layouts]
         strategies.append(tuple(layouts))
@@ -101,8 +118,14 @@ def build_sharding_problem(
         tensor = graph.tensors[t]
         filt = output_filters[k]
         if k in alias_of_output:
-            filt = input_filters[alias_of_output[k]]
-        outs = input_strategies(tensor.shape, 0, mesh_shape, filt)
+            # An updated state output is returned in its input's layout: its edge goes to the
+            # input's node (below), and this sink is a placeholder with one choice. (A
+            # separate sink tied by an alias constraint is equivalent but makes a long cycle
+            # that weakens the LP relaxation; HiGHS was 5-10x slower with it.)
+            spec = ShardingSpec.replicated(len(tensor.shape))
+            strategies.append((Strategy("alias", (), (spec,), 0.0, 0.0, 0.0),))
+            continue
+        outs = input_strategies(tensor.shape, 0, mesh_shape, filt, twins)
         strategies.append(tuple(outs) or (input_strategies(tensor.shape, 0, mesh_shape)[0],))
 
     # ---------------------------------------------------------------- memory intervals
@@ -158,8 +181,10 @@ def build_sharding_problem(
         for a, s in enumerate(src_u):
             for b, d in enumerate(dst_u):
                 table[a, b] = cost.reshard(tensor.shape, tensor.itemsize, s, d)
-        si = np.array([src_u.index(s) for s in src])
-        di = np.array([len(dst_u) if d is None else dst_u.index(d) for d in dst])
+        src_at = {spec: i for i, spec in enumerate(src_u)}
+        dst_at = {spec: i for i, spec in enumerate(dst_u)}
+        si = np.array([src_at[s] for s in src])
+        di = np.array([len(dst_u) if d is None else dst_at[d] for d in dst])
         return table[np.ix_(si, di)] * weight
 
     for node in graph.nodes:
@@ -177,7 +202,7 @@ def build_sharding_problem(
         if graph.tensors[t].role == "const" or t not in producer_ilp:
             continue
         u, idx = producer_ilp[t]
-        v = n_in + n_ops + k
+        v = alias_of_output.get(k, n_in + n_ops + k)
         src = [s.out_specs[idx] for s in strategies[u]]
         dst = [s.out_specs[0] for s in strategies[v]]
         add_edge(u, v, reshard_matrix(t, src, dst, 1.0))
@@ -193,13 +218,13 @@ def build_sharding_problem(
         edges=list(edges.keys()),
         edge_costs=[m.ravel() for m in edges.values()],
         usage_limit=memory_budget,
-        aliases=[(i, n_in + n_ops + o) for i, o in aliases],
         name="alpa_mini",
         node_names=names,
         strategy_names=[[s.name for s in strats] for strats in strategies],
     )
     del input_pos
-    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info))
+    sinks = tuple(alias_of_output.get(k, n_in + n_ops + k) for k in range(n_out))
+    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info), sinks)
 
 
 def plan_sharding(
@@ -228,11 +253,22 @@ def plan_sharding(
     )
     build_time = time.perf_counter() - t0
     try:
-        # The planner's graphs simplify to a few hundred nodes that HiGHS solves directly; the
-        # local-search warm start (built for contest-sized cores) would only add seconds.
+        # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a
+        # short local-search incumbent only pays on big cores (3-D meshes), where HiGHS can
+        # otherwise run out of time before its first feasible point.
         sol = solve_sharding(
-            inst.problem, backend=backend, time_limit=time_limit, heuristic_time=0.0
+            inst.problem,
+            backend=backend,
+            time_limit=time_limit,
+            heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
+            heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
         )
+    except SolverTimeLimitError as err:
+        raise MemoryBudgetError(
+            f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
+            f"{time_limit} s ({err}); raise ShardParallel(time_limit=...) or pick a smaller mesh",
+            None,
+        ) from None
     except InfeasibleError as err:
         min_peak = err.details.get("min_peak")
         need = "unknown" if min_peak is None else f"{min_peak / 2**20:.2f} MiB"
@@ -291,7 +327,7 @@ def read_plan(
     seen: set[tuple[int, ShardingSpec, ShardingSpec]] = set()
     for u, v, k, t, w in inst.edge_info:
         src = chosen[u].out_specs[_result_index(graph, inst, u, t)]
-        dst = chosen[v].in_specs[k] if v < n_in + n_ops else chosen[v].out_specs[0]
+        dst = chosen[v].in_specs[k] if n_in <= v < n_in + n_ops else chosen[v].out_specs[0]
         if dst is None:
             continue
         tensor = graph.tensors[t]
@@ -301,7 +337,7 @@ def read_plan(
         for kind, axes, nbytes, seconds in cost.reshard_steps(
             tensor.shape, tensor.itemsize, src, dst
         ):
-            node_id = v - n_in if v < n_in + n_ops else -1
+            node_id = v - n_in if n_in <= v < n_in + n_ops else -1
             collectives.append(
                 PlannedCollective(kind, axes, nbytes, seconds * w, "reshard", node_id, t)
             )
@@ -320,7 +356,7 @@ def read_plan(
         "edges": inst.problem.num_edges,
         "core_nodes": core,
     }
-    output_specs = tuple(chosen[n_in + n_ops + k].out_specs[0] for k in range(len(graph.outputs)))
+    output_specs = tuple(chosen[v].out_specs[0] for v in inst.sinks)
     return ShardingPlan(
         mesh_shape=tuple(cost.mesh.shape),
         axis_names=tuple(axis_names),

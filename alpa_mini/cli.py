@@ -43,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
         "--show", type=int, default=30, help="nodes listed in the table (default 30)"
     )
     solve.add_argument("--json", type=Path, default=None, help="also write the solution as JSON")
+    demo = sub.add_parser(
+        "demo",
+        help="auto-shard a GPT train step on simulated CPU devices and check it against JAX",
+        description="Plan a GPT train step with ShardParallel on N simulated CPU devices, run "
+        "a few steps, and compare with serial JAX.",
+    )
+    demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    demo.add_argument(
+        "--mesh", default=None, help="logical mesh shape, e.g. 2,4 (default: searched)"
+    )
+    demo.add_argument("--scan", action="store_true", help="write the layers with lax.scan")
     return parser
 
 
@@ -51,7 +63,33 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command == "solve":
         return _solve(args, console)
+    if args.command == "demo":
+        return _demo(args, console)
     return 2  # argparse rejects unknown commands before this
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from .demo import run_demo
+
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = tuple(int(x) for x in args.mesh.split(","))
+        except ValueError:
+            console.print(f"[red]--mesh: {args.mesh!r} is not a shape like 8 or 2,4[/]")
+            return 2
+    try:
+        result = run_demo(
+            num_devices=args.devices,
+            steps=args.steps,
+            mesh_shape=mesh,
+            scan_layers=args.scan,
+            console=console,
+        )
+    except (ValueError, RuntimeError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    return 0 if result["ok"] else 1
 
 
 def _solve(args: argparse.Namespace, console: Console) -> int:

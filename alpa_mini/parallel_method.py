@@ -79,7 +79,9 @@ class ShardParallel:
         if not self.time_limit > 0:
             raise ConfigError(f"time_limit: {self.time_limit!r} must be seconds > 0")
 
-    def mesh_shapes(self, num_devices: int) -> list[tuple[int, ...]]:
+    def mesh_shapes(
+        self, num_devices: int, devices_per_host: int | None = None
+    ) -> list[tuple[int, ...]]:
         """The shapes to plan on; a given shape must use exactly ``num_devices``."""
         if self.mesh_shape is not None:
             if math.prod(self.mesh_shape) != num_devices:
@@ -91,7 +93,7 @@ class ShardParallel:
             return [self.mesh_shape]
         if self.layout != "auto":
             return [(num_devices,)]
-        return candidate_mesh_shapes(num_devices)
+        return candidate_mesh_shapes(num_devices, devices_per_host)
 
     def input_filter(self, role: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]):
         """Which layouts an input of ``role`` may take under this method (None: any)."""
@@ -159,14 +161,22 @@ def Zero3Parallel(**options: object) -> ShardParallel:
     return ShardParallel(layout="zero3", **options)  # type: ignore[arg-type]
 
 
-def candidate_mesh_shapes(num_devices: int) -> list[tuple[int, ...]]:
-    """1-D, 2-D and 3-D factorisations of ``num_devices`` with every axis > 1."""
+def candidate_mesh_shapes(
+    num_devices: int, devices_per_host: int | None = None
+) -> list[tuple[int, ...]]:
+    """The logical meshes the search plans on: 1-D and 2-D factorisations of ``num_devices``.
+
+    Two orders of the same sizes differ only when the axes use different links: on one host
+    (a, b) and (b, a) are the same mesh with its axes renamed, so only a <= b is kept. 3-D
+    meshes are planned when asked for (``mesh_shape=``); their symmetric axes make the ILP
+    much slower for plans a 2-D mesh already expresses.
+    """
+    per_host = devices_per_host or num_devices
+    one_host = num_devices <= per_host
     shapes: list[tuple[int, ...]] = [(num_devices,)]
     for a in range(2, num_devices):
         if num_devices % a == 0:
-            shapes.append((a, num_devices // a))
-    for a in range(2, num_devices):
-        for b in range(2, num_devices):
-            if num_devices % (a * b) == 0 and num_devices // (a * b) > 1:
-                shapes.append((a, b, num_devices // (a * b)))
+            b = num_devices // a
+            if b > 1 and (not one_host or a <= b):
+                shapes.append((a, b))
     return shapes

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 __all__ = ["ShardingSpec", "enumerate_specs"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardingSpec:
     """``dims[i]``: the mesh axes (major to minor) that tensor dimension i is split over."""
 
@@ -31,6 +31,14 @@ class ShardingSpec:
                         f"in {self.dims}"
                     )
                 seen.add(a)
+        # Specs key many dicts while planning; hash the tuple once.
+        object.__setattr__(self, "_hash", hash(self.dims))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardingSpec) and self.dims == other.dims
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     @classmethod
     def replicated(cls, ndim: int) -> ShardingSpec:

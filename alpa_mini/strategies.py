@@ -531,7 +531,10 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
         if loop not in nest.fixed and (loop in in_result or loop in reduce_kind)
     ]
     found: dict[tuple, Strategy] = {}
+    twins = symmetric_axis_pairs(cost)
     for assignment in itertools.product([None, *splittable], repeat=len(axes)):
+        if twins and not _canonical(assignment, axes, twins):
+            continue
         loop_axes: dict[int, list[int]] = {}
         for axis, loop in zip(axes, assignment, strict=True):
             if loop is not None:
@@ -611,6 +614,33 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
     return list(found.values())
 
 
+def symmetric_axis_pairs(cost: CostModel) -> tuple[tuple[int, int], ...]:
+    """Pairs of consecutive interchangeable axes (same size and link) on meshes of 3+ axes.
+
+    On such a mesh every plan has copies that differ only by renaming interchangeable axes,
+    and the ILP drowns in them (a (2, 2, 2) GPT has millions of columns). Requiring the first
+    axis of each pair to take a loop no later than the second keeps one representative of
+    most copies. It is a restriction, not an equivalence: a plan that needs the other order
+    at some operator pays a resharding there instead. 1-D and 2-D meshes are searched in full.
+    """
+    mesh = cost.mesh
+    if len(mesh.shape) < 3:
+        return ()
+    key = [(n, mesh.alphas[a], mesh.betas[a]) for a, n in enumerate(mesh.shape)]
+    return tuple((a, a + 1) for a in range(len(key) - 1) if key[a] == key[a + 1] and key[a][0] > 1)
+
+
+def _canonical(
+    assignment: Sequence[int | None], axes: Sequence[int], twins: Sequence[tuple[int, int]]
+) -> bool:
+    where = dict(zip(axes, assignment, strict=True))
+    for a, b in twins:
+        la, lb = where.get(a), where.get(b)
+        if (math.inf if la is None else la) > (math.inf if lb is None else lb):
+            return False
+    return True
+
+
 def _replicated(node, graph, cost, dtype, work, traffic) -> Strategy:
     ins = tuple(
         None if t is None else ShardingSpec.replicated(len(graph.tensors[t].shape))
@@ -626,12 +656,19 @@ def input_strategies(
     nbytes: int,
     mesh_shape: tuple[int, ...],
     allowed: Callable[[ShardingSpec], bool] | None = None,
+    twins: Sequence[tuple[int, int]] = (),
 ) -> list[Strategy]:
-    """Layouts a graph input (or output) may take; it computes nothing."""
+    """Layouts a graph input (or output) may take; it computes nothing. ``twins``: see
+    ``symmetric_axis_pairs``."""
     out = []
+    axes = list(range(len(mesh_shape)))
     for spec in enumerate_specs(shape, mesh_shape):
         if allowed is not None and not allowed(spec):
             continue
+        if twins:
+            dim_of = {a: d for d, ax in enumerate(spec.dims) for a in ax}
+            if not _canonical([dim_of.get(a) for a in axes], axes, twins):
+                continue
         out.append(
             Strategy(spec.label(), (), (spec,), 0.0, 0.0, nbytes / spec.num_shards(mesh_shape))
         )

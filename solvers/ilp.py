@@ -122,6 +122,7 @@ def solve_sharding(
     mip_rel_gap: float = 0.0,
     simplify_graph: bool = True,
     heuristic_time: float | None = None,
+    heuristic_min_strategies: int | None = None,
     on_infeasible: str = "raise",
     threads: int = 1,
     seed: int = 0,
@@ -129,7 +130,8 @@ def solve_sharding(
     """Solve a sharding problem to optimality, or as well as ``time_limit`` (seconds) allows.
 
     ``heuristic_time`` caps the local search that seeds the MIP (default: only on large
-    cores, a quarter of the limit). ``on_infeasible="raise"`` raises ``InfeasibleError``
+    cores, a quarter of the limit); ``heuristic_min_strategies`` skips it on cores with fewer
+    strategies than that. ``on_infeasible="raise"`` raises ``InfeasibleError``
     naming the smallest achievable peak usage; ``"return"`` returns a solution with status
     ``infeasible`` holding the lowest-peak assignment found.
     """
@@ -180,6 +182,8 @@ def solve_sharding(
     n_strategies = sum(len(c) for c in core.costs)
     if not simplify_graph:
         heuristic_time = 0.0  # the heuristic expects a simplified core (no forbidden nodes)
+    elif heuristic_min_strategies is not None and n_strategies < heuristic_min_strategies:
+        heuristic_time = 0.0
     elif heuristic_time is None:
         if n_strategies < HEURISTIC_MIN_STRATEGIES:
             heuristic_time = 0.0
