@@ -47,3 +47,24 @@ def test_malformed_file_names_the_field(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text(json.dumps(data))
     assert main(["solve", str(bad)]) == 2
     assert "problem.edges.costs: missing field" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_main_job_matches_serial_jax() -> None:
+    """The README's main command: GPT on 8 simulated devices, checked against serial JAX.
+
+    Runs in a subprocess: the demo starts JAX's backend itself (alpa_mini.init).
+    """
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "alpa_mini.cli", "demo", "--steps", "3", "--mesh", "2,4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "matches serial JAX" in out.stdout
+    assert "ShardingPlan on mesh (2, 4)" in out.stdout
