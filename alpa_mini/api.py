@@ -237,6 +237,7 @@ class ParallelizedFunction:
             avals=tuple(avals),
             planning_time=time.perf_counter() - t0,
             trace_time=trace_time,
+            donated=tuple(donated),
         )
 
     def _donated(self, dynamic, owner: list[int], roles: list[str]) -> list[int]:

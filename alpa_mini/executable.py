@@ -70,6 +70,7 @@ class Executable:
     avals: tuple[jax.ShapeDtypeStruct, ...]
     planning_time: float
     trace_time: float
+    donated: tuple[int, ...] = ()
     _compiled: Any = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ running
@@ -90,10 +91,18 @@ class Executable:
                 f"planned for {self.in_tree}"
             )
         placed = []
-        for x, sharding in zip(flat, self.input_shardings, strict=True):
+        donated, seen = set(self.donated), set()
+        for k, (x, sharding) in enumerate(zip(flat, self.input_shardings, strict=True)):
+            original = id(x)
             current = getattr(x, "sharding", None)
             if current is None or not current.is_equivalent_to(sharding, getattr(x, "ndim", 0)):
-                x = jax.device_put(x, sharding)
+                x = jax.device_put(x, sharding)  # may share the original's buffer on a device
+            if k in donated:
+                # One array passed as two donated leaves would be donated twice (jaxlib
+                # crashes on that with sharded arrays): donate a fresh copy the second time.
+                if original in seen:
+                    x = x.copy()
+                seen.add(original)
             placed.append(x)
         out = self.jitted(*placed)
         return jax.tree.unflatten(self.out_tree, out)

@@ -85,8 +85,10 @@ def adam(
         raise ConfigError(f"adam.eps: {eps!r} is invalid; expected a number > 0")
 
     def init(params: PyTree) -> PyTree:
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": zeros}
+        def zeros() -> PyTree:  # separate buffers: a donated step must not see one twice
+            return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        return {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()}
 
     def update(grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         lr = schedule(state["count"])
