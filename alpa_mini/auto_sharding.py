@@ -46,6 +46,8 @@ SpecFilter = Callable[[ShardingSpec], bool]
 
 #: Cores with at least this many strategies get a local-search incumbent before the MIP.
 HEURISTIC_MIN_CORE_STRATEGIES = 8000
+#: The whole MIP is tried below this many columns (solvers' default is tuned for IOPDDL).
+FULL_MIP_MAX_COLUMNS = 3_000_000
 
 
 class MemoryBudgetError(ValueError):
@@ -262,6 +264,9 @@ def plan_sharding(
             time_limit=time_limit,
             heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
             heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
+            # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past
+            # the contest-tuned column cap, where region-by-region search runs to the limit.
+            full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
         )
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(

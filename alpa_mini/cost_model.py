@@ -121,8 +121,12 @@ def _reshard_steps(
     if moved:
         nbytes = full / shards
         steps.append(("all-to-all", tuple(moved), nbytes, model.all_to_all(nbytes, moved)))
-    if gathered:
-        remaining = shards // math.prod(mesh_shape[a] for a in gathered)
+    # XLA gathers one tensor dimension at a time: one all-gather per source dim, each seeing
+    # the buffer as large as the gathers before it left it.
+    remaining = shards
+    for dim in sorted({src_at[a][0] for a in gathered}):
+        axes = tuple(a for a in gathered if src_at[a][0] == dim)
+        remaining //= math.prod(mesh_shape[a] for a in axes)
         nbytes = full / remaining
-        steps.append(("all-gather", tuple(gathered), nbytes, model.all_gather(nbytes, gathered)))
+        steps.append(("all-gather", axes, nbytes, model.all_gather(nbytes, axes)))
     return tuple(steps)

@@ -166,8 +166,9 @@ def candidate_mesh_shapes(
 ) -> list[tuple[int, ...]]:
     """The logical meshes the search plans on: 1-D and 2-D factorisations of ``num_devices``.
 
-    Two orders of the same sizes differ only when the axes use different links: on one host
-    (a, b) and (b, a) are the same mesh with its axes renamed, so only a <= b is kept. 3-D
+    On one host (a, b) and (b, a) differ only in which axis is major when one tensor dim is
+    split over both; the search keeps a <= b to halve its time (ask for the other order with
+    ``mesh_shape=``). Across hosts the orders use different links, so both are planned. 3-D
     meshes are planned when asked for (``mesh_shape=``); their symmetric axes make the ILP
     much slower for plans a 2-D mesh already expresses.
     """

@@ -123,6 +123,7 @@ def solve_sharding(
     simplify_graph: bool = True,
     heuristic_time: float | None = None,
     heuristic_min_strategies: int | None = None,
+    full_mip_max_columns: int = FULL_MIP_MAX_COLUMNS,
     on_infeasible: str = "raise",
     threads: int = 1,
     seed: int = 0,
@@ -131,8 +132,10 @@ def solve_sharding(
 
     ``heuristic_time`` caps the local search that seeds the MIP (default: only on large
     cores, a quarter of the limit); ``heuristic_min_strategies`` skips it on cores with fewer
-    strategies than that. ``on_infeasible="raise"`` raises ``InfeasibleError``
-    naming the smallest achievable peak usage; ``"return"`` returns a solution with status
+    strategies than that. Under a time limit, MIPs with more than ``full_mip_max_columns``
+    columns are improved region by region instead of solved whole.
+    ``on_infeasible="raise"`` raises ``InfeasibleError`` naming the smallest achievable peak
+    usage; ``"return"`` returns a solution with status
     ``infeasible`` holding the lowest-peak assignment found.
     """
     if not isinstance(problem, ShardingProblem):
@@ -174,7 +177,7 @@ def solve_sharding(
         timings["build"] = time.perf_counter() - tb
         model_size = model.size()
     region_by_region = (
-        model is not None and time_limit is not None and model.num_cols > FULL_MIP_MAX_COLUMNS
+        model is not None and time_limit is not None and model.num_cols > full_mip_max_columns
     )
 
     # 2. A heuristic incumbent on large cores: a short warm start before the whole MIP, or

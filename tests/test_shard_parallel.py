@@ -193,3 +193,20 @@ def test_plan_json_round_trip(devices4) -> None:
     )
     again = alpa_mini.ShardingPlan.from_json(ex.plan.to_json())
     assert again == ex.plan
+
+
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+def test_gpt_collectives_in_hlo_equal_the_plans_prediction(devices8, mesh) -> None:
+    from alpa_mini.models import GPT_TINY, gpt_loss, init_gpt, make_gpt_batch, make_train_step, sgd
+
+    opt = sgd(0.1)
+    step = make_train_step(gpt_loss, opt)
+    params = init_gpt(GPT_TINY, jax.random.PRNGKey(0))
+    batch = make_gpt_batch(GPT_TINY, jax.random.PRNGKey(1), 8)
+    ex = alpa_mini.parallelize(step, method=ShardParallel(mesh_shape=mesh)).get_executable(
+        params, opt.init(params), batch
+    )
+    counts = ex.collectives().counts()
+    assert counts, "a sharded GPT step communicates"
+    assert {k: c[0] for k, c in counts.items()} == {k: c[1] for k, c in counts.items()}
+    assert ex.collectives().byte_ratio() == pytest.approx(1.0)
