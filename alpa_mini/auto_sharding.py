@@ -133,7 +133,6 @@ def build_sharding_problem(
     # ---------------------------------------------------------------- memory intervals
     end_time = n_ops + 2
     producer_ilp: dict[int, tuple[int, int]] = {}  # tensor -> (ILP node, result index)
-    input_pos = {t: i for i, t in enumerate(graph.inputs)}
     for i, t in enumerate(graph.inputs):
         producer_ilp.setdefault(t, (i, 0))
     for node in graph.nodes:
@@ -224,7 +223,6 @@ def build_sharding_problem(
         node_names=names,
         strategy_names=[[s.name for s in strats] for strats in strategies],
     )
-    del input_pos
     sinks = tuple(alias_of_output.get(k, n_in + n_ops + k) for k in range(n_out))
     return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info), sinks)
 

@@ -12,6 +12,7 @@ re-interpreted body.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,27 +130,18 @@ class _Interpreter:
         return [self.pin(x, self.spec_of(path, v)) for x, v in zip(outs, eqn.outvars, strict=True)]
 
 
-def _equation_context(eqn: Any) -> Any:
+def _equation_context(eqn: Any) -> contextlib.ExitStack:
     """The equation's own context (source location, name stack), as ``jax.core.eval_jaxpr``
     uses it, so the compiled HLO's metadata still points at the user's code."""
     from jax._src import source_info_util
 
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    ctx = source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
-    return _Both(ctx, eqn.ctx.manager)
-
-
-class _Both:
-    def __init__(self, a: Any, b: Any) -> None:
-        self.a, self.b = a, b
-
-    def __enter__(self) -> None:
-        self.a.__enter__()
-        self.b.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.b.__exit__(*exc)
-        self.a.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    stack.enter_context(
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    )
+    stack.enter_context(eqn.ctx.manager)
+    return stack
 
 
 def build_sharded_function(

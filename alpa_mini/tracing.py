@@ -10,6 +10,7 @@ results out) so a layer stack written with ``lax.scan`` plans like the unrolled 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -119,7 +120,7 @@ class _Builder:
         self.nodes.append(node)
         return node
 
-    def read(self, env: dict[Any, int], var: Any, path: tuple[int, ...]) -> int | None:
+    def read(self, env: dict[Any, int], var: Any) -> int | None:
         if isinstance(var, Literal):
             return None
         return env[var]
@@ -128,7 +129,7 @@ class _Builder:
         env[var] = tid
         self.var_tensors[(path, var)] = tid
 
-    def const(self, value: Any, path: tuple[int, ...], name: str) -> int:
+    def const(self, value: Any, name: str) -> int:
         aval = np.asarray(value) if not hasattr(value, "aval") else value.aval
         return self.tensor(aval, None, "const", name)
 
@@ -145,7 +146,7 @@ class _Builder:
     ) -> None:
         for i, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
-            ins = [self.read(env, v, path) for v in eqn.invars]
+            ins = [self.read(env, v) for v in eqn.invars]
             here = (*path, i)
             if name in INLINED_PRIMITIVES:
                 self.inline(eqn, ins, env, path, here, multiplier)
@@ -183,7 +184,7 @@ class _Builder:
         sub, consts = call_jaxpr_of(eqn)
         inner: dict[Any, int] = {}
         for var, value in zip(sub.constvars, consts, strict=True):
-            self.bind(inner, var, self.const(value, here, "const"), here)
+            self.bind(inner, var, self.const(value, "const"), here)
         operands = list(ins)
         for var, tid in zip(sub.invars, operands, strict=True):
             if tid is None:  # a literal operand: give it a constant tensor
@@ -204,7 +205,7 @@ class _Builder:
         length, n_consts, n_carry = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
         inner: dict[Any, int] = {}
         for var, value in zip(body.jaxpr.constvars, body.consts, strict=True):
-            self.bind(inner, var, self.const(value, here, "const"), here)
+            self.bind(inner, var, self.const(value, "const"), here)
         invars = body.jaxpr.invars
         carry_in_nodes: list[OpNode] = []
         for k, (var, tid) in enumerate(zip(invars, ins, strict=True)):
@@ -261,8 +262,6 @@ class _Builder:
 
 
 def _replace_inputs(node: OpNode, inputs: tuple[int | None, ...]) -> OpNode:
-    import dataclasses
-
     return dataclasses.replace(node, inputs=inputs)
 
 
