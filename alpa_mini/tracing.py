@@ -287,7 +287,7 @@ def trace_jaxpr(
     b = _Builder()
     env: dict[Any, int] = {}
     for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
-        b.bind(env, var, b.const(value, (), "const"), ())
+        b.bind(env, var, b.const(value, "const"), ())
     inputs = []
     for var, role, name in zip(jaxpr.invars, roles, names, strict=True):
         tid = b.tensor(var.aval, None, role, name)
