@@ -132,3 +132,12 @@ def test_reshape_keeps_a_split_on_the_major_dimension_only() -> None:
     # input dim 0 (32) splits into output dims (8, 4): it follows the major one
     assert nest.operands[0] == (0, 2)
     assert nest.outputs[0] == (0, 1, 2)
+
+
+def test_closed_over_constants_become_const_tensors_without_edges() -> None:
+    c = jnp.arange(4.0) + 1.0  # a concrete array closed over: a constant of the jaxpr
+    closed = jax.make_jaxpr(lambda x: x * c)(jnp.ones(4))
+    assert len(closed.consts) == 1
+    g = trace_jaxpr(closed, ["batch"])
+    consts = [t for t in g.tensors if t.role == "const"]
+    assert len(consts) == 1 and consts[0].shape == (4,)
