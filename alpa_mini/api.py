@@ -27,6 +27,7 @@ from .cost_model import CostModel
 from .executable import Executable
 from .lowering import build_sharded_function
 from .parallel_method import ShardParallel
+from .pipeshard_method import PipeshardParallel
 from .tracing import trace_jaxpr
 
 __all__ = ["ParallelizedFunction", "parallelize"]
@@ -63,7 +64,7 @@ def parallelize(
         raise TypeError(
             f"method: got the class {method.__name__}; pass an instance, e.g. {method.__name__}()"
         )
-    if method is not None and not isinstance(method, ShardParallel):
+    if method is not None and not isinstance(method, ShardParallel | PipeshardParallel):
         raise TypeError(
             f"method: {method!r} is not a parallel method; use ShardParallel(), DataParallel(), "
             "Zero2Parallel() or Zero3Parallel()"
@@ -150,6 +151,15 @@ class ParallelizedFunction:
         t0 = time.perf_counter()
         method = self.method
         roles, owner = self._roles(dynamic)
+        if isinstance(method, PipeshardParallel):
+            from .pipeshard_executable import compile_pipeshard
+
+            def step_fun(*leaves: Any) -> Any:
+                return self._call_with(static, jax.tree.unflatten(in_tree, leaves))
+
+            return compile_pipeshard(
+                self.fun, step_fun, avals, roles, in_tree, static, method, cluster, method.plan
+            )
 
         def flat_fun(*leaves: Any) -> list[Any]:
             from .micro_batch import micro_batches

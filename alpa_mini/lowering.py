@@ -21,6 +21,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding
 
 from .op_graph import OpGraph
+from .pipeline_marker import MARKER_NAME
 from .plan import ShardingPlan
 from .sharding_spec import ShardingSpec
 from .tracing import INLINED_PRIMITIVES, call_jaxpr_of
@@ -85,6 +86,8 @@ class _Interpreter:
             if name in INLINED_PRIMITIVES:
                 sub, sub_consts = call_jaxpr_of(eqn)
                 outs = self.run(sub, sub_consts, invals, here)
+            elif name == MARKER_NAME:
+                outs = invals
             elif name == "scan":
                 outs = self.scan(eqn, invals, path, here)
             else:

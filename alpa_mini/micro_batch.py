@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import pipeline_capture
+
 __all__ = ["grad", "micro_batches", "num_micro_batches", "value_and_grad"]
 
 _COUNT: contextvars.ContextVar[int] = contextvars.ContextVar("alpa_mini_micro_batches", default=1)
@@ -45,6 +47,10 @@ def value_and_grad(
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def wrapped(*args: Any) -> Any:
+        if pipeline_capture.is_capturing():
+            return pipeline_capture.capture_value_and_grad(
+                fun, argnums, has_aux, batch_argnum, args
+            )
         count = num_micro_batches()
         if count == 1:
             return vg(*args)

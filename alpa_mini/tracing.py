@@ -19,6 +19,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from .op_graph import OpGraph, OpNode, Tensor
+from .pipeline_marker import MARKER_NAME
 
 __all__ = ["INLINED_PRIMITIVES", "OPAQUE_PRIMITIVES", "call_jaxpr_of", "trace_jaxpr"]
 
@@ -150,6 +151,11 @@ class _Builder:
             here = (*path, i)
             if name in INLINED_PRIMITIVES:
                 self.inline(eqn, ins, env, path, here, multiplier)
+            elif name == MARKER_NAME:  # identity: results are the operands' tensors
+                for var, src, tid in zip(eqn.outvars, eqn.invars, ins, strict=True):
+                    if tid is None:
+                        tid = self.tensor(src.aval, None, "const", "literal")
+                    self.bind(env, var, tid, path)
             elif name == "scan":
                 self.scan(eqn, ins, env, path, here, multiplier)
             else:

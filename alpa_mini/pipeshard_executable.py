@@ -1,0 +1,169 @@
+"""Plan and lower a step for ``PipeshardParallel``; ``PipeshardExecutable`` runs it locally."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cluster import ClusterSpec
+from .pipeline_capture import GradCapture, capturing
+from .pipeline_split import flatten_calls
+from .pipeshard_compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
+from .pipeshard_method import PipeshardParallel
+from .pipeshard_plan import PipeshardPlan, StagePlan
+from .runtime.instructions import format_stream
+from .runtime.local import LocalRuntime
+from .schedules import make_schedule
+from .stage_planner import plan_pipeline
+
+__all__ = ["PipeshardExecutable", "compile_pipeshard"]
+
+
+@dataclass(eq=False)
+class PipeshardExecutable:
+    """A pipelined step for one argument signature."""
+
+    fun_name: str
+    plan: PipeshardPlan
+    compiled: CompiledPipeline
+    runtime: LocalRuntime
+    in_tree: Any
+    out_tree: Any
+    static_argnums: tuple[int, ...]
+    planning_time: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *args: Any) -> Any:
+        static = set(self.static_argnums)
+        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+        flat, tree = jax.tree.flatten(dynamic)
+        if tree != self.in_tree:
+            raise TypeError(
+                f"{self.fun_name}: arguments have structure {tree}, expected {self.in_tree}"
+            )
+        buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
+        buffers = self.runtime.execute(self.compiled.stream, buffers)
+        outs = [
+            self.compiled.out_literals[o] if n is None else buffers[n]
+            for o, n in enumerate(self.compiled.out_names)
+        ]
+        return jax.tree.unflatten(self.out_tree, outs)
+
+    def instructions(self, limit: int | None = 60) -> str:
+        """The step's instruction stream, one line each."""
+        return format_stream(self.compiled.stream, limit)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return _ADD(a, b)
+
+
+_ADD = jax.jit(jnp.add)
+
+
+def compile_pipeshard(
+    fun: Callable[..., Any],
+    flat_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    in_tree: Any,
+    static: tuple[tuple[int, Any], ...],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    plan: PipeshardPlan | None = None,
+) -> PipeshardExecutable:
+    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``plan``), lower."""
+    t0 = time.perf_counter()
+    B = method.num_micro_batches
+    with capturing(B) as captures:
+        step, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+    g = grad_equation(step.jaxpr)
+    capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
+    forward = flatten_calls(capture.loss)
+    param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
+    state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    devices = jax.devices()[: cluster.num_devices]
+    if plan is None:
+        decisions, starts, problem, solution, stats = plan_pipeline(
+            forward,
+            capture,
+            cluster,
+            method,
+            state_bytes_total=state_bytes,
+            param_bytes_total=param_bytes,
+        )
+        stage_plans = tuple(
+            StagePlan(
+                d.layer_start,
+                d.layer_end,
+                d.eqn_start,
+                d.eqn_end,
+                d.submesh,
+                d.devices,
+                d.logical_shape,
+                d.cost.latency,
+                d.cost.memory(1),
+                d.cost.in_specs,
+                d.cost.out_specs,
+            )
+            for d in decisions
+        )
+        plan = PipeshardPlan(
+            stages=stage_plans,
+            layer_starts=starts,
+            num_equations=len(forward.jaxpr.eqns),
+            schedule=method.pipeline_schedule,
+            num_micro_batches=B,
+            cluster=cluster.name,
+            stage_problem=problem,
+            stage_solution=solution,
+            planning={
+                "ilps_solved": stats.ilps_solved,
+                "cost_entries": stats.cost_entries,
+                "cache_hits": stats.cache_hits,
+                "seconds": time.perf_counter() - t0,
+            },
+        )
+    else:
+        if plan.num_equations != len(forward.jaxpr.eqns) or plan.num_micro_batches != B:
+            raise ValueError(
+                f"plan: made for a forward of {plan.num_equations} equations and "
+                f"{plan.num_micro_batches} micro-batches; this step has "
+                f"{len(forward.jaxpr.eqns)} and {B}"
+            )
+    lowering = [
+        StageLowering(
+            s.eqn_start,
+            s.eqn_end,
+            tuple(devices[d] for d in s.devices),
+            s.logical_shape,
+            s.in_specs or None,
+            s.out_specs or None,
+        )
+        for s in plan.stages
+    ]
+    schedule = make_schedule(plan.schedule, plan.num_stages, B)
+    compiled = compile_pipeline(step, capture, forward, lowering, schedule)
+    runtime = LocalRuntime(compiled.programs, compiled.layouts, _add)
+    return PipeshardExecutable(
+        fun_name=getattr(fun, "__name__", "step"),
+        plan=plan,
+        compiled=compiled,
+        runtime=runtime,
+        in_tree=in_tree,
+        out_tree=jax.tree.structure(out_shape),
+        static_argnums=tuple(i for i, _ in static),
+        planning_time=time.perf_counter() - t0,
+        extra={"schedule": schedule},
+    )
+
+
+def _nbytes(a: Any) -> float:
+    return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)

@@ -1,0 +1,437 @@
+"""Inter-operator planning: layers, the stage cost table, the stage DP, device placement.
+
+For each candidate stage (layer range, submesh, logical mesh) the per-stage ILP plans the
+stage's forward + backward for one micro-batch; its predicted time is the stage latency and
+its peak memory plus the residuals of the micro-batches held in flight decide how many later
+stages it can tolerate under 1F1B (``max_succ``). Identical layers (same structural hash) are
+solved once. ``solvers.stage_dp`` then picks the slicing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+
+from .auto_sharding import MemoryBudgetError, plan_sharding
+from .cluster import ClusterSpec, ConfigError
+from .cost_model import CostModel
+from .pipeline_capture import GradCapture
+from .pipeline_split import (
+    cluster_layer_starts,
+    eval_eqns,
+    layer_hash,
+    marker_layer_starts,
+    slice_stage,
+)
+from .pipeshard_method import (
+    AutoLayerOption,
+    AutoStageOption,
+    ManualStageOption,
+    PipeshardParallel,
+    UniformStageOption,
+)
+from .plan import ShardingPlan
+from .sharding_spec import ShardingSpec
+from .solvers.stage_dp import StageProblem, StageSolution, solve_stages, submesh_shapes
+from .tracing import trace_jaxpr
+
+__all__ = ["StageCost", "StageDecision", "assign_devices", "layer_starts", "plan_pipeline"]
+
+AXIS_NAMES = ("x", "y", "z")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """ILP result for one (layer range, submesh, logical mesh): latency and memory."""
+
+    latency: float
+    peak_memory: float  # one micro-batch's forward + backward, parameters and gradients included
+    residual_bytes: float  # per device, per micro-batch held between forward and backward
+    state_bytes: float  # optimiser state per device
+    plan: ShardingPlan | None = None
+    in_specs: tuple[ShardingSpec | None, ...] = ()
+    out_specs: tuple[ShardingSpec | None, ...] = ()
+
+    def memory(self, in_flight: int) -> float:
+        return self.peak_memory + self.state_bytes + max(in_flight - 1, 0) * self.residual_bytes
+
+
+@dataclass(frozen=True)
+class StageDecision:
+    """One stage of the chosen plan."""
+
+    layer_start: int
+    layer_end: int  # inclusive
+    eqn_start: int
+    eqn_end: int
+    submesh: tuple[int, int]
+    devices: tuple[int, ...]
+    logical_shape: tuple[int, ...]
+    cost: StageCost
+
+
+@dataclass
+class PlanningStats:
+    ilps_solved: int = 0
+    cost_entries: int = 0
+    cache_hits: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def layer_starts(forward: ClosedJaxpr, option: Any) -> tuple[int, ...]:
+    """Equation index where each layer starts."""
+    if isinstance(option, AutoLayerOption):
+        return cluster_layer_starts(forward.jaxpr, option.layer_num, option.eps)
+    return marker_layer_starts(forward.jaxpr)
+
+
+def logical_shapes(submesh: tuple[int, int], mode: str) -> list[tuple[int, ...]]:
+    """Logical meshes tried on a submesh: 1-D over all devices, and a 2-D one."""
+    h, d = submesh
+    n = h * d
+    shapes: list[tuple[int, ...]] = [(n,)]
+    if mode == "auto" and n >= 4:
+        shapes.append((h, d) if h > 1 else (2, n // 2))
+    return shapes
+
+
+class _StageModel:
+    """Builds and solves the per-stage ILP for equation ranges of the forward."""
+
+    def __init__(
+        self,
+        forward: ClosedJaxpr,
+        capture: GradCapture,
+        cluster: ClusterSpec,
+        method: PipeshardParallel,
+        state_bytes_total: float,
+        param_bytes_total: float,
+    ) -> None:
+        self.forward, self.capture, self.cluster, self.method = forward, capture, cluster, method
+        self.consts = dict(zip(forward.jaxpr.constvars, forward.consts, strict=True))
+        self.loss_in = {v: j for j, v in enumerate(forward.jaxpr.invars)}
+        self.state_ratio = state_bytes_total / param_bytes_total if param_bytes_total else 0.0
+        self.cache: dict[Any, StageCost | None] = {}
+        self.stats = PlanningStats()
+
+    def _io(self, start: int, end: int) -> tuple[Any, list[Any], list[Any], list[Any], list[Any]]:
+        sl = slice_stage(self.forward.jaxpr, start, end)
+        diff_in, nondiff_in = [], []
+        for v in sl.invars:
+            if v in self.consts:
+                continue
+            j = self.loss_in.get(v)
+            is_diff = self.capture.diff[j] if j is not None else _is_float(v.aval)
+            (diff_in if is_diff else nondiff_in).append(v)
+        aux = set(self.forward.jaxpr.outvars[1:])
+        diff_out = [v for v in sl.outvars if _is_float(v.aval) and v not in aux]
+        nondiff_out = [v for v in sl.outvars if v not in set(diff_out)]
+        return sl, diff_in, nondiff_in, diff_out, nondiff_out
+
+    def cost(
+        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
+    ) -> StageCost | None:
+        sl, diff_in, nondiff_in, diff_out, nondiff_out = self._io(start, end)
+        key = (layer_hash(sl.eqns, sl.invars), submesh, logical)
+        self.stats.cost_entries += 1
+        if key in self.cache:
+            self.stats.cache_hits += 1
+            return self.cache[key]
+        result = self._solve(sl, diff_in, nondiff_in, diff_out, nondiff_out, submesh, logical)
+        self.cache[key] = result
+        return result
+
+    def _solve(self, sl, diff_in, nondiff_in, diff_out, nondiff_out, submesh, logical):
+        consts = {v: c for v, c in self.consts.items() if v in set(sl.invars)}
+
+        def f_of(nd: Sequence[Any]) -> Callable[..., Any]:
+            def f(*dvals: Any) -> tuple[list[Any], list[Any]]:
+                env: dict[Any, Any] = dict(consts)
+                env.update(zip(diff_in, dvals, strict=True))
+                env.update(zip(nondiff_in, nd, strict=True))
+                eval_eqns(sl.eqns, env)
+                return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
+
+            return f
+
+        nd_n = len(diff_in)
+
+        def train(*args: Any) -> list[Any]:
+            d, nd, cts = (
+                args[:nd_n],
+                args[nd_n : nd_n + len(nondiff_in)],
+                args[nd_n + len(nondiff_in) :],
+            )
+            outs_d, vjp_fn, outs_nd = jax.vjp(f_of(nd), *d, has_aux=True)
+            grads = vjp_fn(list(cts))
+            return [*outs_d, *outs_nd, *grads]
+
+        def residuals(*args: Any) -> Any:
+            d, nd = args[:nd_n], args[nd_n:]
+            return jax.vjp(f_of(nd), *d, has_aux=True)[1]
+
+        avals = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v in (*diff_in, *nondiff_in, *diff_out)
+        ]
+        closed = jax.make_jaxpr(train)(*avals)
+        roles = []
+        for v in (*diff_in, *nondiff_in):
+            j = self.loss_in.get(v)
+            if j is None:
+                roles.append("batch")
+            elif self.capture.diff[j]:
+                roles.append("param")
+            else:
+                roles.append("batch" if self.capture.batch[j] else "state")
+        roles += ["batch"] * len(diff_out)
+        names = [f"in{k}" for k in range(len(roles))]
+        graph = trace_jaxpr(closed, roles, names)
+        n_dev = submesh[0] * submesh[1]
+        mesh = self.cluster.logical_mesh(logical, submesh)
+        cost = CostModel(self.cluster, mesh)
+        opt = self.method.default_auto_sharding_option
+        budget = _budget(self.method, self.cluster)
+        param_bytes = sum(
+            _nbytes(v.aval)
+            for v in diff_in
+            if v in self.loss_in and self.capture.diff[self.loss_in[v]]
+        )
+        state = self.state_ratio * param_bytes / n_dev
+        res_tree = jax.eval_shape(residuals, *avals[: nd_n + len(nondiff_in)])
+        res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree)) / n_dev
+        self.stats.ilps_solved += 1
+        try:
+            plan = plan_sharding(
+                graph,
+                cost,
+                AXIS_NAMES[: len(logical)],
+                memory_budget=max(budget - state, 1.0),
+                backend=opt.backend,
+                time_limit=opt.time_limit,
+            )
+        except MemoryBudgetError:
+            return None
+        n_in = len(diff_in) + len(nondiff_in)
+        in_spec_of = {
+            v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
+        }
+        out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
+        del n_in
+        return StageCost(
+            latency=plan.predicted_time,
+            peak_memory=plan.peak_memory,
+            residual_bytes=res_bytes,
+            state_bytes=state,
+            plan=plan,
+            in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
+            out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
+        )
+
+
+def _is_float(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _nbytes(aval: Any) -> float:
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def _budget(method: PipeshardParallel, cluster: ClusterSpec) -> float:
+    so = method.stage_option
+    if isinstance(so, AutoStageOption) and so.memory_budget is not None:
+        return so.memory_budget
+    return method.default_auto_sharding_option.memory_budget or cluster.device.memory_bytes
+
+
+def assign_devices(
+    submeshes: Sequence[tuple[int, int]], cluster: ClusterSpec
+) -> list[tuple[int, ...]]:
+    """Flat device indices of each stage's submesh: whole hosts for (h, M) submeshes, a
+    contiguous run inside one host otherwise; larger submeshes are placed first."""
+    per = cluster.devices_per_host
+    free = [per] * cluster.num_hosts  # free devices at the end of each host
+    out: list[tuple[int, ...] | None] = [None] * len(submeshes)
+    for s in sorted(range(len(submeshes)), key=lambda s: -submeshes[s][0] * submeshes[s][1]):
+        h, d = submeshes[s]
+        if h > 1 or d == per:
+            hosts = [i for i in range(cluster.num_hosts) if free[i] == per][:h]
+            if len(hosts) < h or d != per:
+                raise ConfigError(
+                    f"stage {s}: submesh {submeshes[s]} does not fit the cluster's free hosts"
+                )
+            out[s] = tuple(i * per + k for i in hosts for k in range(per))
+            for i in hosts:
+                free[i] = 0
+        else:
+            host = next((i for i in range(cluster.num_hosts) if free[i] >= d), None)
+            if host is None:
+                raise ConfigError(f"stage {s}: submesh {submeshes[s]} does not fit any host")
+            first = host * per + (per - free[host])
+            out[s] = tuple(range(first, first + d))
+            free[host] -= d
+    return [o for o in out if o is not None]
+
+
+def plan_pipeline(
+    forward: ClosedJaxpr,
+    capture: GradCapture,
+    cluster: ClusterSpec,
+    method: PipeshardParallel,
+    *,
+    state_bytes_total: float,
+    param_bytes_total: float,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[
+    list[StageDecision], tuple[int, ...], StageProblem | None, StageSolution | None, PlanningStats
+]:
+    """Layers, then stages (auto: cost table + DP; uniform; manual), each with its ILP plan."""
+    t0 = time.perf_counter()
+    starts = layer_starts(forward, method.layer_option)
+    n_eqns = len(forward.jaxpr.eqns)
+    ends = (*starts[1:], n_eqns)
+    L = len(starts)
+    model = _StageModel(forward, capture, cluster, method, state_bytes_total, param_bytes_total)
+    so = method.stage_option
+    B = method.num_micro_batches
+    problem = solution = None
+    if isinstance(so, AutoStageOption):
+        shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+        configs = [logical_shapes(s, so.logical_shapes) for s in shapes]
+        C = max(len(c) for c in configs)
+        cost = np.full((L, L, len(shapes), C), np.inf)
+        max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
+        budget = _budget(method, cluster)
+        per_layer: dict[tuple[int, int, int], StageCost | None] = {}
+        total = (
+            L * len(shapes) * C
+            if so.profiling == "individual"
+            else L * (L + 1) // 2 * len(shapes) * C
+        )
+        done = 0
+        for si, sub in enumerate(shapes):
+            for ci, logical in enumerate(configs[si]):
+                if so.profiling == "individual":
+                    for layer in range(L):
+                        per_layer[(layer, si, ci)] = model.cost(
+                            starts[layer], ends[layer], sub, logical
+                        )
+                        done += 1
+                        if progress:
+                            progress(f"stage costs {done}/{total}")
+                for i in range(L):
+                    for j in range(i, L):
+                        if so.profiling == "individual":
+                            parts = [per_layer[(k, si, ci)] for k in range(i, j + 1)]
+                            if any(p is None for p in parts):
+                                continue
+                            sc = StageCost(
+                                latency=sum(p.latency for p in parts),
+                                peak_memory=sum(p.peak_memory for p in parts),
+                                residual_bytes=sum(p.residual_bytes for p in parts),
+                                state_bytes=sum(p.state_bytes for p in parts),
+                            )
+                        else:
+                            sc = model.cost(starts[i], ends[j], sub, logical)
+                            done += 1
+                            if progress:
+                                progress(f"stage costs {done}/{total}")
+                            if sc is None:
+                                continue
+                        if sc.memory(1) > budget:
+                            continue
+                        cost[i, j, si, ci] = sc.latency
+                        k = 1
+                        while k < L and sc.memory(k + 1) <= budget:
+                            k += 1
+                        max_succ[i, j, si, ci] = k - 1
+        names = tuple("1d" if ci == 0 else "2d" for ci in range(C))
+        problem = StageProblem(
+            cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names
+        )
+        try:
+            solution = solve_stages(problem)
+        except Exception as err:  # InfeasibleError from the DP: report the memory needed
+            min_mem = _min_memory(model, starts, ends, shapes, configs)
+            raise MemoryBudgetError(
+                f"memory_budget: no pipeline plan fits {budget / 2**20:.1f} MiB per device "
+                f"({err}); the smallest per-device memory that fits one stage of every layer is "
+                f"about {min_mem / 2**20:.1f} MiB",
+                min_mem,
+            ) from None
+        ranges = [(st.layer_start, st.layer_end) for st in solution.stages]
+        subs = [st.submesh_shape for st in solution.stages]
+        logicals = [configs[st.submesh_index][st.config_index] for st in solution.stages]
+        devices = assign_devices(subs, cluster)
+    elif isinstance(so, UniformStageOption):
+        S = so.num_stages
+        if S > L:
+            raise ConfigError(
+                f"UniformStageOption.num_stages: {S} stages but the step has only {L} layers"
+            )
+        bounds = [round(k * L / S) for k in range(S + 1)]
+        ranges = [(bounds[k], bounds[k + 1] - 1) for k in range(S)]
+        subs = [so.submesh_shape] * S
+        logicals = [so.logical_shape or (so.submesh_shape[0] * so.submesh_shape[1],)] * S
+        _check_devices(subs, cluster)
+        devices = assign_devices(subs, cluster)
+    else:
+        assert isinstance(so, ManualStageOption)
+        ids = so.forward_stage_layer_ids
+        if ids[-1][-1] != L - 1:
+            raise ConfigError(
+                f"ManualStageOption.forward_stage_layer_ids: covers layers 0..{ids[-1][-1]} but "
+                f"the step has {L} layers"
+            )
+        ranges = [(s[0], s[-1]) for s in ids]
+        subs = list(so.submesh_physical_shapes)
+        logicals = list(so.submesh_logical_shapes or [(h * d,) for h, d in subs])
+        if so.submesh_devices is not None:
+            devices = list(so.submesh_devices)
+        else:
+            _check_devices(subs, cluster)
+            devices = assign_devices(subs, cluster)
+    decisions = []
+    for (i, j), sub, logical, devs in zip(ranges, subs, logicals, devices, strict=True):
+        sc = model.cost(starts[i], ends[j], sub, logical)
+        if sc is None:
+            raise MemoryBudgetError(
+                f"memory_budget: stage of layers {i}..{j} on submesh {sub} does not fit "
+                f"{_budget(method, cluster) / 2**20:.1f} MiB per device",
+                None,
+            )
+        decisions.append(StageDecision(i, j, starts[i], ends[j], sub, devs, logical, sc))
+    model.stats.seconds["total"] = time.perf_counter() - t0
+    return decisions, starts, problem, solution, model.stats
+
+
+def _check_devices(subs: Sequence[tuple[int, int]], cluster: ClusterSpec) -> None:
+    used = sum(h * d for h, d in subs)
+    if used > cluster.num_devices:
+        raise ConfigError(
+            f"stage_option: the stages need {used} devices but cluster {cluster.name} has "
+            f"{cluster.num_devices}"
+        )
+
+
+def _min_memory(model, starts, ends, shapes, configs) -> float:
+    worst = 0.0
+    for layer in range(len(starts)):
+        best = math.inf
+        for si, sub in enumerate(shapes):
+            for logical in configs[si]:
+                sc = model.cache.get
+                del sc
+                c = model.cost(starts[layer], ends[layer], sub, logical)
+                if c is not None:
+                    best = min(best, c.memory(1))
+        worst = max(worst, best)
+    return worst

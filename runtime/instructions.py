@@ -1,0 +1,72 @@
+"""The instruction stream a pipeshard step compiles to (DESIGN 6).
+
+Buffers are named by strings; every instruction runs on one mesh (a pipeline stage's
+devices). The stream is fixed per executable and replayed every step, in order:
+
+- ``Put``: place a buffer on a mesh in a layout (a step input arriving, or an activation,
+  gradient or cotangent crossing from one stage's mesh to another's, resharded on the way).
+- ``Run``: call a compiled program on buffers, naming its results.
+- ``Accumulate``: ``dst += src`` (or ``dst = src`` the first time); gradients over
+  micro-batches, cotangents from several consumers.
+- ``Free``: drop buffers no later instruction reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Accumulate", "Free", "Instruction", "Put", "Run", "format_stream"]
+
+
+@dataclass(frozen=True)
+class Put:
+    src: str
+    dst: str
+    mesh: int
+    layout: str  # key of a sharding registered with the runtime
+
+
+@dataclass(frozen=True)
+class Run:
+    program: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    mesh: int
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    src: str
+    dst: str
+    mesh: int
+    first: bool  # dst does not exist yet: it becomes src (src stays until freed)
+
+
+@dataclass(frozen=True)
+class Free:
+    names: tuple[str, ...]
+    mesh: int
+
+
+Instruction = Put | Run | Accumulate | Free
+
+
+def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
+    """One readable line per instruction."""
+    lines = []
+    for ins in stream[:limit]:
+        if isinstance(ins, Put):
+            lines.append(f"mesh{ins.mesh}  PUT   {ins.src} -> {ins.dst} [{ins.layout}]")
+        elif isinstance(ins, Run):
+            lines.append(
+                f"mesh{ins.mesh}  RUN   {ins.program}({', '.join(ins.inputs)}) -> "
+                f"{', '.join(ins.outputs)}"
+            )
+        elif isinstance(ins, Accumulate):
+            op = "=" if ins.first else "+="
+            lines.append(f"mesh{ins.mesh}  ACC   {ins.dst} {op} {ins.src}")
+        else:
+            lines.append(f"mesh{ins.mesh}  FREE  {', '.join(ins.names)}")
+    if limit is not None and len(stream) > limit:
+        lines.append(f"... {len(stream) - limit} more")
+    return "\n".join(lines)
