@@ -9,6 +9,7 @@ solved once. ``solvers.stage_dp`` then picks the slicing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from .pipeshard_method import (
 )
 from .plan import ShardingPlan
 from .sharding_spec import ShardingSpec
+from .solvers.errors import InfeasibleError
 from .solvers.stage_dp import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .tracing import trace_jaxpr
 
@@ -120,6 +122,8 @@ class _StageModel:
         self.loss_in = {v: j for j, v in enumerate(forward.jaxpr.invars)}
         self.state_ratio = state_bytes_total / param_bytes_total if param_bytes_total else 0.0
         self.cache: dict[Any, StageCost | None] = {}
+        self.min_need: dict[Any, float] = {}  # key -> least memory, for stages that do not fit
+        self._last_key: Any = None
         self.stats = PlanningStats()
 
     def _io(self, start: int, end: int) -> tuple[Any, list[Any], list[Any], list[Any], list[Any]]:
@@ -145,6 +149,7 @@ class _StageModel:
         if key in self.cache:
             self.stats.cache_hits += 1
             return self.cache[key]
+        self._last_key = key
         result = self._solve(sl, diff_in, nondiff_in, diff_out, nondiff_out, submesh, logical)
         self.cache[key] = result
         return result
@@ -214,11 +219,13 @@ class _StageModel:
                 graph,
                 cost,
                 AXIS_NAMES[: len(logical)],
-                memory_budget=max(budget - state, 1.0),
+                memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
                 backend=opt.backend,
                 time_limit=opt.time_limit,
             )
-        except MemoryBudgetError:
+        except MemoryBudgetError as err:
+            if err.min_budget is not None:
+                self.min_need[self._last_key] = err.min_budget + state
             return None
         n_in = len(diff_in) + len(nondiff_in)
         in_spec_of = {
@@ -307,65 +314,31 @@ def plan_pipeline(
         shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
         configs = [logical_shapes(s, so.logical_shapes) for s in shapes]
         C = max(len(c) for c in configs)
-        cost = np.full((L, L, len(shapes), C), np.inf)
-        max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
         budget = _budget(method, cluster)
-        per_layer: dict[tuple[int, int, int], StageCost | None] = {}
-        total = (
-            L * len(shapes) * C
-            if so.profiling == "individual"
-            else L * (L + 1) // 2 * len(shapes) * C
-        )
-        done = 0
-        for si, sub in enumerate(shapes):
-            for ci, logical in enumerate(configs[si]):
-                if so.profiling == "individual":
-                    for layer in range(L):
-                        per_layer[(layer, si, ci)] = model.cost(
-                            starts[layer], ends[layer], sub, logical
-                        )
-                        done += 1
-                        if progress:
-                            progress(f"stage costs {done}/{total}")
-                for i in range(L):
-                    for j in range(i, L):
-                        if so.profiling == "individual":
-                            parts = [per_layer[(k, si, ci)] for k in range(i, j + 1)]
-                            if any(p is None for p in parts):
-                                continue
-                            sc = StageCost(
-                                latency=sum(p.latency for p in parts),
-                                peak_memory=sum(p.peak_memory for p in parts),
-                                residual_bytes=sum(p.residual_bytes for p in parts),
-                                state_bytes=sum(p.state_bytes for p in parts),
-                            )
-                        else:
-                            sc = model.cost(starts[i], ends[j], sub, logical)
-                            done += 1
-                            if progress:
-                                progress(f"stage costs {done}/{total}")
-                            if sc is None:
-                                continue
-                        if sc.memory(1) > budget:
-                            continue
-                        cost[i, j, si, ci] = sc.latency
-                        k = 1
-                        while k < L and sc.memory(k + 1) <= budget:
-                            k += 1
-                        max_succ[i, j, si, ci] = k - 1
+        entries = _cost_entries(model, starts, ends, shapes, configs, so.profiling, progress)
         names = tuple("1d" if ci == 0 else "2d" for ci in range(C))
-        problem = StageProblem(
-            cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names
-        )
+        problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         try:
             solution = solve_stages(problem)
-        except Exception as err:  # InfeasibleError from the DP: report the memory needed
-            min_mem = _min_memory(model, starts, ends, shapes, configs)
+        except InfeasibleError as err:
+            need = _least_pipeline_memory(
+                forward,
+                capture,
+                cluster,
+                method,
+                state_bytes_total,
+                param_bytes_total,
+                starts,
+                ends,
+                shapes,
+                configs,
+                names,
+            )
             raise MemoryBudgetError(
-                f"memory_budget: no pipeline plan fits {budget / 2**20:.1f} MiB per device "
-                f"({err}); the smallest per-device memory that fits one stage of every layer is "
-                f"about {min_mem / 2**20:.1f} MiB",
-                min_mem,
+                f"memory_budget: no pipeline plan fits {budget / 2**20:.3f} MiB per device "
+                f"({err}); the smallest per-device memory with a feasible plan is about "
+                f"{need / 2**20:.3f} MiB",
+                need,
             ) from None
         ranges = [(st.layer_start, st.layer_end) for st in solution.stages]
         subs = [st.submesh_shape for st in solution.stages]
@@ -422,16 +395,103 @@ def _check_devices(subs: Sequence[tuple[int, int]], cluster: ClusterSpec) -> Non
         )
 
 
-def _min_memory(model, starts, ends, shapes, configs) -> float:
-    worst = 0.0
-    for layer in range(len(starts)):
-        best = math.inf
-        for si, sub in enumerate(shapes):
-            for logical in configs[si]:
-                sc = model.cache.get
-                del sc
-                c = model.cost(starts[layer], ends[layer], sub, logical)
-                if c is not None:
-                    best = min(best, c.memory(1))
-        worst = max(worst, best)
-    return worst
+def _cost_entries(model, starts, ends, shapes, configs, profiling, progress):
+    """StageCost of every (first layer, last layer, submesh, config) that has a plan."""
+    L = len(starts)
+    entries: dict[tuple[int, int, int, int], StageCost] = {}
+    per_layer: dict[tuple[int, int, int], StageCost | None] = {}
+    C = max(len(c) for c in configs)
+    total = L * len(shapes) * C if profiling == "individual" else L * (L + 1) // 2 * len(shapes) * C
+    done = 0
+    for si, sub in enumerate(shapes):
+        for ci, logical in enumerate(configs[si]):
+            if profiling == "individual":
+                for layer in range(L):
+                    per_layer[(layer, si, ci)] = model.cost(
+                        starts[layer], ends[layer], sub, logical
+                    )
+                    done += 1
+                    if progress:
+                        progress(f"stage costs {done}/{total}")
+            for i in range(L):
+                for j in range(i, L):
+                    if profiling == "individual":
+                        parts = [per_layer[(k, si, ci)] for k in range(i, j + 1)]
+                        if any(p is None for p in parts):
+                            continue
+                        sc = StageCost(
+                            latency=sum(p.latency for p in parts),
+                            peak_memory=sum(p.peak_memory for p in parts),
+                            residual_bytes=sum(p.residual_bytes for p in parts),
+                            state_bytes=sum(p.state_bytes for p in parts),
+                        )
+                    else:
+                        sc = model.cost(starts[i], ends[j], sub, logical)
+                        done += 1
+                        if progress:
+                            progress(f"stage costs {done}/{total}")
+                        if sc is None:
+                            continue
+                    entries[(i, j, si, ci)] = sc
+    return entries
+
+
+def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
+    """The DP's table: latency where the stage fits ``budget`` with one micro-batch in
+    flight, and how many later stages' worth of in-flight micro-batches it can hold."""
+    cost = np.full((L, L, S, C), np.inf)
+    max_succ = np.zeros((L, L, S, C), dtype=np.int64)
+    for (i, j, si, ci), sc in entries.items():
+        if sc.memory(1) > budget:
+            continue
+        cost[i, j, si, ci] = sc.latency
+        k = 1
+        while k < L and sc.memory(k + 1) <= budget:
+            k += 1
+        max_succ[i, j, si, ci] = k - 1
+    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names)
+
+
+def _least_pipeline_memory(
+    forward,
+    capture,
+    cluster,
+    method,
+    state_total,
+    param_total,
+    starts,
+    ends,
+    shapes,
+    configs,
+    names,
+) -> float:
+    """Smallest budget at which the DP finds a slicing, from stage plans made without a budget
+    (each such plan stays feasible at any budget above its memory, so this budget fits)."""
+    unlimited = dataclasses.replace(method, stage_option=AutoStageOption(memory_budget=math.inf))
+    free_model = _StageModel(forward, capture, cluster, unlimited, state_total, param_total)
+    entries = _cost_entries(
+        free_model, starts, ends, shapes, configs, method.stage_option.profiling, None
+    )
+    L, C = len(starts), max(len(c) for c in configs)
+    candidates = sorted({sc.memory(k) for sc in entries.values() for k in range(1, L + 1)})
+
+    def feasible(m: float) -> bool:
+        prob = _stage_problem(
+            entries, L, len(shapes), C, m, cluster, method.num_micro_batches, names
+        )
+        try:
+            solve_stages(prob)
+        except InfeasibleError:
+            return False
+        return True
+
+    lo, hi = 0, len(candidates) - 1
+    if not candidates or not feasible(candidates[hi]):
+        return math.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo]

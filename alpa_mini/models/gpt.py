@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from alpa_mini.cluster import ConfigError
+from alpa_mini.pipeline_marker import mark_pipeline_boundary
 
 from .mlp import (
     check_positive_int,
@@ -78,6 +79,7 @@ class GPTConfig:
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
+    pipeline_marks: bool = False  # mark_pipeline_boundary() after the embedding and each block
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "hidden", "num_heads", "num_layers", "mlp_ratio"):
@@ -86,7 +88,7 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.num_heads: {self.num_heads} does not divide hidden {self.hidden}"
             )
-        for name in ("scan_layers", "remat"):
+        for name in ("scan_layers", "remat", "pipeline_marks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"GPTConfig.{name}: {getattr(self, name)!r} is invalid; expected a bool"
@@ -247,9 +249,14 @@ def gpt_forward(params: Params, tokens: jax.Array, config: GPTConfig | None = No
     x = params["wte"][tokens] + params["wpe"][:seq]
     block = jax.checkpoint(_block) if remat else _block
     layers = params["layers"]
+    marks = config is not None and config.pipeline_marks
+    if marks:
+        x = mark_pipeline_boundary(x)
     if isinstance(layers, list | tuple):
-        for layer in layers:
+        for k, layer in enumerate(layers):
             x = block(layer, x)
+            if marks and k < len(layers) - 1:
+                x = mark_pipeline_boundary(x)
     else:
         x, _ = jax.lax.scan(lambda carry, layer: (block(layer, carry), None), x, layers)
     x = layer_norm(params["ln_f"], x)

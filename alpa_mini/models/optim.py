@@ -114,18 +114,20 @@ def adam(
 
 
 def make_train_step(
-    loss_fn: Callable[[PyTree, Any], jax.Array], optimizer: Optimizer
+    loss_fn: Callable[[PyTree, Any], jax.Array],
+    optimizer: Optimizer,
+    value_and_grad: Callable[..., Any] = jax.value_and_grad,
 ) -> Callable[[PyTree, PyTree, Any], tuple[PyTree, PyTree, jax.Array]]:
     """``train_step(params, opt_state, batch) -> (params, opt_state, loss)``, not jitted.
 
     It is an ordinary function so that users decorate it themselves (``jax.jit``,
-    ``alpa_mini.parallelize``).
+    ``alpa_mini.parallelize``); pass ``alpa_mini.value_and_grad`` for pipelined steps.
     """
 
     def train_step(
         params: PyTree, opt_state: PyTree, batch: Any
     ) -> tuple[PyTree, PyTree, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = value_and_grad(loss_fn)(params, batch)
         new_params, new_state = optimizer.update(grads, opt_state, params)
         return new_params, new_state, loss
 
