@@ -23,7 +23,7 @@ from .runtime.local import LocalRuntime
 from .schedules import make_schedule
 from .stage_planner import plan_pipeline
 
-__all__ = ["PipeshardExecutable", "compile_pipeshard"]
+__all__ = ["PipeshardExecutable", "compile_pipeshard", "plan_pipeshard"]
 
 
 @dataclass(eq=False)
@@ -99,38 +99,7 @@ def compile_pipeshard(
             state_bytes_total=state_bytes,
             param_bytes_total=param_bytes,
         )
-        stage_plans = tuple(
-            StagePlan(
-                d.layer_start,
-                d.layer_end,
-                d.eqn_start,
-                d.eqn_end,
-                d.submesh,
-                d.devices,
-                d.logical_shape,
-                d.cost.latency,
-                d.cost.memory(1),
-                d.cost.in_specs,
-                d.cost.out_specs,
-            )
-            for d in decisions
-        )
-        plan = PipeshardPlan(
-            stages=stage_plans,
-            layer_starts=starts,
-            num_equations=len(forward.jaxpr.eqns),
-            schedule=method.pipeline_schedule,
-            num_micro_batches=B,
-            cluster=cluster.name,
-            stage_problem=problem,
-            stage_solution=solution,
-            planning={
-                "ilps_solved": stats.ilps_solved,
-                "cost_entries": stats.cost_entries,
-                "cache_hits": stats.cache_hits,
-                "seconds": time.perf_counter() - t0,
-            },
-        )
+        plan = _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
     else:
         if plan.num_equations != len(forward.jaxpr.eqns) or plan.num_micro_batches != B:
             raise ValueError(
@@ -167,3 +136,77 @@ def compile_pipeshard(
 
 def _nbytes(a: Any) -> float:
     return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
+
+
+def plan_pipeshard(
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None = None,
+) -> PipeshardPlan:
+    """Plan only (no devices needed): ``args`` may be ``jax.ShapeDtypeStruct`` pytrees of
+    (params, state..., batch) in the step's order; nothing is allocated or compiled."""
+    t0 = time.perf_counter()
+    flat, in_tree = jax.tree.flatten(args)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in flat]
+    roles = []
+    for i, a in enumerate(args):
+        role = "batch" if i == len(args) - 1 else "param" if i == 0 else "state"
+        roles += [role] * len(jax.tree.leaves(a))
+
+    def step_fun(*leaves: Any) -> Any:
+        return step(*jax.tree.unflatten(in_tree, leaves))
+
+    B = method.num_micro_batches
+    with capturing(B) as captures:
+        closed = jax.make_jaxpr(step_fun)(*avals)
+    g = grad_equation(closed.jaxpr)
+    capture = captures[closed.jaxpr.eqns[g].params["index"]]
+    forward = flatten_calls(capture.loss)
+    param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
+    state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    decisions, starts, problem, solution, stats = plan_pipeline(
+        forward,
+        capture,
+        cluster,
+        method,
+        state_bytes_total=state_bytes,
+        param_bytes_total=param_bytes,
+        progress=progress,
+    )
+    return _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
+
+
+def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):
+    return PipeshardPlan(
+        stages=tuple(
+            StagePlan(
+                d.layer_start,
+                d.layer_end,
+                d.eqn_start,
+                d.eqn_end,
+                d.submesh,
+                d.devices,
+                d.logical_shape,
+                d.cost.latency,
+                d.cost.memory(1),
+                d.cost.in_specs,
+                d.cost.out_specs,
+            )
+            for d in decisions
+        ),
+        layer_starts=starts,
+        num_equations=len(forward.jaxpr.eqns),
+        schedule=method.pipeline_schedule,
+        num_micro_batches=method.num_micro_batches,
+        cluster=cluster.name,
+        stage_problem=problem,
+        stage_solution=solution,
+        planning={
+            "ilps_solved": stats.ilps_solved,
+            "cost_entries": stats.cost_entries,
+            "cache_hits": stats.cache_hits,
+            "seconds": time.perf_counter() - t0,
+        },
+    )

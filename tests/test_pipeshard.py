@@ -216,3 +216,27 @@ def test_uniform_stages_need_enough_devices():
     )
     with pytest.raises(ConfigError, match="need 16 devices"):
         step.get_executable(params, opt.init(params), data)
+
+
+def test_cli_plan_from_abstract_shapes(tmp_path):
+    from alpa_mini.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "gpt-tiny",
+            "--cluster",
+            "cpu-2x4",
+            "--micro-batches",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    plan = PipeshardPlan.from_json(out.read_text())
+    assert sum(len(s.devices) for s in plan.stages) == 8
+    assert plan.num_layers == 5  # embedding + 4 blocks, cut at the model's pipeline marks
+    assert plan.planning["ilps_solved"] < plan.planning["cost_entries"]
