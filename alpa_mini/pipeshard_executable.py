@@ -82,24 +82,10 @@ def compile_pipeshard(
     """Trace with ``alpa_mini.grad`` captured, plan (or replay ``plan``), lower."""
     t0 = time.perf_counter()
     B = method.num_micro_batches
-    with capturing(B) as captures:
-        step, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
-    g = grad_equation(step.jaxpr)
-    capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
-    forward = flatten_calls(capture.loss)
-    param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
-    state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    step, out_shape, capture, forward = _trace(flat_fun, avals, B)
     devices = jax.devices()[: cluster.num_devices]
     if plan is None:
-        decisions, starts, problem, solution, stats = plan_pipeline(
-            forward,
-            capture,
-            cluster,
-            method,
-            state_bytes_total=state_bytes,
-            param_bytes_total=param_bytes,
-        )
-        plan = _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
+        plan = _plan(forward, capture, avals, roles, method, cluster, t0, None)
     else:
         if plan.num_equations != len(forward.jaxpr.eqns) or plan.num_micro_batches != B:
             raise ValueError(
@@ -158,12 +144,21 @@ def plan_pipeshard(
     def step_fun(*leaves: Any) -> Any:
         return step(*jax.tree.unflatten(in_tree, leaves))
 
-    B = method.num_micro_batches
-    with capturing(B) as captures:
-        closed = jax.make_jaxpr(step_fun)(*avals)
-    g = grad_equation(closed.jaxpr)
-    capture = captures[closed.jaxpr.eqns[g].params["index"]]
-    forward = flatten_calls(capture.loss)
+    _, _, capture, forward = _trace(step_fun, avals, method.num_micro_batches)
+    return _plan(forward, capture, avals, roles, method, cluster, t0, progress)
+
+
+def _trace(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int):
+    """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
+    with capturing(num_micro_batches) as captures:
+        step, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    g = grad_equation(step.jaxpr)
+    capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
+    return step, out_shape, capture, flatten_calls(capture.loss)
+
+
+def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> PipeshardPlan:
+    """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
     param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
     state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
     decisions, starts, problem, solution, stats = plan_pipeline(

@@ -227,12 +227,10 @@ class _StageModel:
             if err.min_budget is not None:
                 self.min_need[self._last_key] = err.min_budget + state
             return None
-        n_in = len(diff_in) + len(nondiff_in)
         in_spec_of = {
             v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
         }
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
-        del n_in
         return StageCost(
             latency=plan.predicted_time,
             peak_memory=plan.peak_memory,
