@@ -179,9 +179,8 @@ def build_sharding_problem(
         src_u = list(dict.fromkeys(src))
         dst_u = list(dict.fromkeys(d for d in dst if d is not None))
         table = np.zeros((len(src_u), len(dst_u) + 1))
-        for a, s in enumerate(src_u):
-            for b, d in enumerate(dst_u):
-                table[a, b] = cost.reshard(tensor.shape, tensor.itemsize, s, d)
+        if dst_u:
+            table[:, :-1] = cost.reshard_table(tensor.shape, tensor.itemsize, src_u, dst_u)
         src_at = {spec: i for i, spec in enumerate(src_u)}
         dst_at = {spec: i for i, spec in enumerate(dst_u)}
         si = np.array([src_at[s] for s in src])

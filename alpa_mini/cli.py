@@ -45,16 +45,23 @@ def _parser() -> argparse.ArgumentParser:
     solve.add_argument("--json", type=Path, default=None, help="also write the solution as JSON")
     demo = sub.add_parser(
         "demo",
-        help="auto-shard a GPT train step on simulated CPU devices and check it against JAX",
-        description="Plan a GPT train step with ShardParallel on N simulated CPU devices, run "
-        "a few steps, and compare with serial JAX.",
+        help="plan and train a GPT on simulated CPU devices and check it against JAX",
+        description="Plan a GPT train step on N simulated CPU devices (PipeshardParallel with "
+        "auto layers and stages, or ShardParallel with --method shard), run a few steps, "
+        "and compare with serial JAX.",
     )
+    demo.add_argument("--method", default="pipeshard", choices=["pipeshard", "shard"])
     demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    demo.add_argument("--micro-batches", type=int, default=4, help="pipeshard: B (default 4)")
+    demo.add_argument("--layers", type=int, default=4, help="pipeshard: auto layers (default 4)")
     demo.add_argument(
-        "--mesh", default=None, help="logical mesh shape, e.g. 2,4 (default: searched)"
+        "--cluster", default="cpu-2x4", help="pipeshard: cluster name or YAML (default cpu-2x4)"
     )
-    demo.add_argument("--scan", action="store_true", help="write the layers with lax.scan")
+    demo.add_argument(
+        "--mesh", default=None, help="shard: logical mesh shape, e.g. 2,4 (default: searched)"
+    )
+    demo.add_argument("--scan", action="store_true", help="shard: layers with lax.scan")
     plan = sub.add_parser(
         "plan",
         help="plan a model with PipeshardParallel from abstract shapes and print the plan",
@@ -151,8 +158,28 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, run_pipeshard_demo
 
+    if args.method == "pipeshard":
+        if args.mesh or args.scan:
+            console.print("[red]--mesh and --scan belong to --method shard[/]")
+            return 2
+        if args.devices != 8 and args.cluster != "local":
+            console.print("[red]--devices needs --cluster local (a named cluster fixes it)[/]")
+            return 2
+        try:
+            result = run_pipeshard_demo(
+                num_devices=args.devices,
+                steps=args.steps,
+                num_micro_batches=args.micro_batches,
+                num_layers=args.layers,
+                cluster_name=args.cluster,
+                console=console,
+            )
+        except (ValueError, RuntimeError) as err:
+            console.print(f"[red]error:[/] {err}")
+            return 2
+        return 0 if result["ok"] else 1
     mesh = None
     if args.mesh:
         try:

@@ -75,6 +75,27 @@ class CostModel:
         """Time to turn a tensor laid out as ``src`` into ``dst`` (see ``reshard_steps``)."""
         return sum(cost for _, _, _, cost in self.reshard_steps(shape, itemsize, src, dst))
 
+    def reshard_table(
+        self,
+        shape: tuple[int, ...],
+        itemsize: int,
+        srcs: Sequence[ShardingSpec],
+        dsts: Sequence[ShardingSpec],
+    ) -> list[list[float]]:
+        """``reshard`` for every (src, dst) pair; the planner's hot loop, so it keeps one
+        small cache per tensor shape instead of building a key per pair."""
+        times = self._reshard_cache.setdefault(("times", tuple(shape), itemsize), {})
+        rows = []
+        for s in srcs:
+            row = []
+            for d in dsts:
+                t = times.get((s, d))
+                if t is None:
+                    t = times[(s, d)] = self.reshard(shape, itemsize, s, d)
+                row.append(t)
+            rows.append(row)
+        return rows
+
     def reshard_steps(
         self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
     ) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:

@@ -183,9 +183,9 @@ def _is_drop(v: Any) -> bool:
     return type(v).__name__ == "DropVar"
 
 
-def layer_hash(eqns: Sequence[Any], invars: Sequence[Any]) -> str:
-    """A structural hash of a run of equations: equal for layers that differ only in which
-    variables they read (the same block applied to different parameters)."""
+def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
+    """A structural hash of a run of equations and the values it hands on: equal for layers
+    that differ only in which variables they read (the same block on other parameters)."""
     names: dict[Any, str] = {}
 
     def name(v: Any) -> str:
@@ -202,4 +202,5 @@ def layer_hash(eqns: Sequence[Any], invars: Sequence[Any]) -> str:
             f"{eqn.primitive.name}[{sorted(params.items(), key=lambda kv: kv[0])!r}]"
             f"({','.join(name(v) for v in eqn.invars)})->({','.join(name(v) for v in eqn.outvars)})"
         )
+    parts.append("out:" + ",".join(name(v) for v in outvars))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

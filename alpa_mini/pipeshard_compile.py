@@ -305,8 +305,15 @@ def compile_pipeline(
                 for v in st.diff_out + st.nondiff_out
                 if v not in (value_var, *aux_vars) and s == producer[v] and not consumers.get(v)
             ]
+            # Gradients this stage owns are summed by one fused program per micro-batch (one
+            # dispatch instead of one per parameter); the first micro-batch only renames.
+            fused: list[tuple[str, str]] = []
             for k, v in enumerate(st.diff_in):
                 d = f"d{k}.{s}.mb{m}"
+                if v in loss_in and owner[loss_in[v]] == s and f"grad{loss_in[v]}" in started:
+                    fused.append((f"grad{loss_in[v]}", d))
+                    dead.append(d)
+                    continue
                 if v in loss_in:
                     j = loss_in[v]
                     o = owner[j]
@@ -326,6 +333,11 @@ def compile_pipeline(
                     stream.append(Put(d, moved, p, layout_key(sts[p].out_sharding[v], p)))
                     stream.append(accumulate(moved, ct, p))
                     dead += [d, moved]
+            if fused:
+                acc = f"accumulate{s}.{len(fused)}"
+                programs.setdefault(acc, _add_pairs(len(fused)))
+                sums = tuple(a for a, _ in fused)
+                stream.append(Run(acc, (*sums, *(b for _, b in fused)), sums, s))
             stream.append(Free(tuple(dict.fromkeys(dead)), s))
 
     # ------------------------------------------------------------------ gradient outputs
@@ -422,6 +434,11 @@ def _seed(aval: Any, value: float, sharding: NamedSharding) -> Callable[..., Any
 
 def _zeros(aval: Any, sharding: NamedSharding) -> Callable[..., Any]:
     return jax.jit(lambda: (jnp.zeros(aval.shape, aval.dtype),), out_shardings=(sharding,))
+
+
+def _add_pairs(n: int) -> Callable[..., Any]:
+    """``(a_1..a_n, b_1..b_n) -> (a_1 + b_1, ..., a_n + b_n)`` as one program."""
+    return jax.jit(lambda *xs: tuple(a + b for a, b in zip(xs[:n], xs[n:], strict=True)))
 
 
 def _scale(factor: float) -> Callable[..., Any]:

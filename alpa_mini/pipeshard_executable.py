@@ -19,7 +19,7 @@ from .pipeshard_compile import CompiledPipeline, StageLowering, compile_pipeline
 from .pipeshard_method import PipeshardParallel
 from .pipeshard_plan import PipeshardPlan, StagePlan
 from .runtime.instructions import format_stream
-from .runtime.local import LocalRuntime
+from .runtime.local import InstructionTiming, LocalRuntime
 from .schedules import make_schedule
 from .stage_planner import plan_pipeline
 
@@ -41,6 +41,15 @@ class PipeshardExecutable:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, *args: Any) -> Any:
+        return self._run(args, None)
+
+    def profile(self, *args: Any) -> tuple[Any, list[InstructionTiming]]:
+        """One step with every instruction timed (run back to back, each waiting for its
+        results): the step's outputs and the measured per-instruction intervals."""
+        timeline: list[InstructionTiming] = []
+        return self._run(args, timeline), timeline
+
+    def _run(self, args: tuple[Any, ...], timeline: list[InstructionTiming] | None) -> Any:
         static = set(self.static_argnums)
         dynamic = tuple(a for i, a in enumerate(args) if i not in static)
         flat, tree = jax.tree.flatten(dynamic)
@@ -49,7 +58,7 @@ class PipeshardExecutable:
                 f"{self.fun_name}: arguments have structure {tree}, expected {self.in_tree}"
             )
         buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
-        buffers = self.runtime.execute(self.compiled.stream, buffers)
+        buffers = self.runtime.execute(self.compiled.stream, buffers, timeline)
         outs = [
             self.compiled.out_literals[o] if n is None else buffers[n]
             for o, n in enumerate(self.compiled.out_names)

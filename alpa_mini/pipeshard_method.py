@@ -74,11 +74,15 @@ class AutoStageOption:
     resharding between them (fast, Alpa's individual mode); "whole" solves one ILP per range.
     logical_shapes: "auto" tries 1-D and 2-D logical meshes per submesh; "1d" only 1-D.
     memory_budget: bytes per device (None: the cluster's device memory).
+    submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
+    power-of-two slices of one host), as Alpa does by default; "all" also tries every other
+    host count (many more ILPs on large clusters).
     """
 
     profiling: str = "individual"
     logical_shapes: str = "auto"
     memory_budget: float | None = None
+    submesh_space: str = "power_of_two"
 
     def __post_init__(self) -> None:
         if self.profiling not in ("individual", "whole"):
@@ -88,6 +92,11 @@ class AutoStageOption:
         if self.logical_shapes not in ("auto", "1d"):
             raise ConfigError(
                 f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not 'auto' or '1d'"
+            )
+        if self.submesh_space not in ("power_of_two", "all"):
+            raise ConfigError(
+                f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two' "
+                "or 'all'"
             )
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ConfigError(

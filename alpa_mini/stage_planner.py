@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +85,9 @@ class StageDecision:
 
 @dataclass
 class PlanningStats:
+    """What planning cost: ILPs really solved, stage costs needed (the DP table's cells for
+    auto stages, one per stage otherwise) and lookups the structural-hash cache answered."""
+
     ilps_solved: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
@@ -122,11 +128,17 @@ class _StageModel:
         self.loss_in = {v: j for j, v in enumerate(forward.jaxpr.invars)}
         self.state_ratio = state_bytes_total / param_bytes_total if param_bytes_total else 0.0
         self.cache: dict[Any, StageCost | None] = {}
-        self.min_need: dict[Any, float] = {}  # key -> least memory, for stages that do not fit
-        self._last_key: Any = None
+        self._slices: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[Any, tuple[Any, float, float]] = {}
+        self._cost_models: dict[Any, CostModel] = {}
+        self._fresh: set[Any] = set()
+        self._lock = threading.Lock()
         self.stats = PlanningStats()
 
-    def _io(self, start: int, end: int) -> tuple[Any, list[Any], list[Any], list[Any], list[Any]]:
+    def _io(self, start: int, end: int) -> tuple[Any, ...]:
+        hit = self._slices.get((start, end))
+        if hit is not None:
+            return hit
         sl = slice_stage(self.forward.jaxpr, start, end)
         diff_in, nondiff_in = [], []
         for v in sl.invars:
@@ -138,23 +150,91 @@ class _StageModel:
         aux = set(self.forward.jaxpr.outvars[1:])
         diff_out = [v for v in sl.outvars if _is_float(v.aval) and v not in aux]
         nondiff_out = [v for v in sl.outvars if v not in set(diff_out)]
-        return sl, diff_in, nondiff_in, diff_out, nondiff_out
+        # Equal equations are not enough: whether each input is a parameter, a batch input or
+        # an activation, and which values need cotangents, change the forward + backward.
+        diff = set(diff_in) | set(diff_out)
+        kinds = tuple(
+            "const" if v in self.consts else (v in diff, self._role(v)) for v in sl.invars
+        )
+        key = (
+            layer_hash(sl.eqns, sl.invars, sl.outvars),
+            kinds,
+            tuple(v in diff for v in sl.outvars),
+        )
+        out = self._slices[(start, end)] = (sl, diff_in, nondiff_in, diff_out, nondiff_out, key)
+        return out
+
+    def _role(self, v: Any) -> str:
+        """The op-graph role of a stage input: activations arrive like a batch."""
+        j = self.loss_in.get(v)
+        if j is None:
+            return "batch"
+        if self.capture.diff[j]:
+            return "param"
+        return "batch" if self.capture.batch[j] else "state"
+
+    def slice(self, start: int, end: int) -> Any:
+        """The ``StageSlice`` of equations ``[start, end)`` (cached)."""
+        return self._io(start, end)[0]
 
     def cost(
         self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
     ) -> StageCost | None:
-        sl, diff_in, nondiff_in, diff_out, nondiff_out = self._io(start, end)
-        key = (layer_hash(sl.eqns, sl.invars), submesh, logical)
-        self.stats.cost_entries += 1
+        io = self._io(start, end)
+        key = (*io[5], submesh, logical)
         if key in self.cache:
-            self.stats.cache_hits += 1
+            if key in self._fresh:  # solved ahead by ``prefetch``: this is its first use
+                self._fresh.discard(key)
+            else:
+                self.stats.cache_hits += 1
             return self.cache[key]
-        self._last_key = key
-        result = self._solve(sl, diff_in, nondiff_in, diff_out, nondiff_out, submesh, logical)
+        result = self._solve(io, submesh, logical)
         self.cache[key] = result
         return result
 
-    def _solve(self, sl, diff_in, nondiff_in, diff_out, nondiff_out, submesh, logical):
+    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], tuple[int, ...]]]):
+        """Solve the distinct ILPs behind ``requests`` (start, end, submesh, logical) on a
+        thread pool, so that later ``cost`` calls find them cached.
+
+        HiGHS releases the GIL while it solves, so one thread's LP overlaps another's Python
+        model building: about 1.7x on two cores. The op graphs are traced first, here, since
+        JAX tracing is left to the calling thread.
+        """
+        todo: dict[Any, tuple[Any, tuple[int, int], tuple[int, ...]]] = {}
+        for start, end, submesh, logical in requests:
+            io = self._io(start, end)
+            key = (*io[5], submesh, logical)
+            if key not in self.cache:
+                self._graph(io)
+                todo.setdefault(key, (io, submesh, logical))
+        workers = min(len(todo), _cpu_count())
+        if workers <= 1:
+            return
+        # Largest first (more mesh axes, more nodes), so that no big ILP starts last.
+        keys = sorted(todo, key=lambda k: (-len(todo[k][2]), -len(todo[k][0][0].eqns)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(lambda k: self._solve(*todo[k]), keys))
+        for key, result in zip(keys, results, strict=True):
+            self.cache[key] = result
+            self._fresh.add(key)
+
+    def cost_model(self, submesh: tuple[int, int], logical: tuple[int, ...]) -> CostModel:
+        """One cost model per mesh, so its resharding cache serves every layer planned there."""
+        key = (submesh, logical)
+        with self._lock:
+            if key not in self._cost_models:
+                mesh = self.cluster.logical_mesh(logical, submesh)
+                self._cost_models[key] = CostModel(self.cluster, mesh)
+            return self._cost_models[key]
+
+    def _graph(self, io: tuple[Any, ...]) -> tuple[Any, float, float]:
+        """The op graph of the slice's forward + backward for one micro-batch, its residual
+        bytes and parameter bytes; traced once per structural hash (it does not depend on the
+        mesh)."""
+        hit = self._graphs.get(io[5])
+        if hit is not None:
+            return hit
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
         consts = {v: c for v, c in self.consts.items() if v in set(sl.invars)}
 
         def f_of(nd: Sequence[Any]) -> Callable[..., Any]:
@@ -188,32 +268,32 @@ class _StageModel:
             for v in (*diff_in, *nondiff_in, *diff_out)
         ]
         closed = jax.make_jaxpr(train)(*avals)
-        roles = []
-        for v in (*diff_in, *nondiff_in):
-            j = self.loss_in.get(v)
-            if j is None:
-                roles.append("batch")
-            elif self.capture.diff[j]:
-                roles.append("param")
-            else:
-                roles.append("batch" if self.capture.batch[j] else "state")
+        roles = [self._role(v) for v in (*diff_in, *nondiff_in)]
         roles += ["batch"] * len(diff_out)
         names = [f"in{k}" for k in range(len(roles))]
         graph = trace_jaxpr(closed, roles, names)
-        n_dev = submesh[0] * submesh[1]
-        mesh = self.cluster.logical_mesh(logical, submesh)
-        cost = CostModel(self.cluster, mesh)
-        opt = self.method.default_auto_sharding_option
-        budget = _budget(self.method, self.cluster)
         param_bytes = sum(
             _nbytes(v.aval)
             for v in diff_in
             if v in self.loss_in and self.capture.diff[self.loss_in[v]]
         )
-        state = self.state_ratio * param_bytes / n_dev
         res_tree = jax.eval_shape(residuals, *avals[: nd_n + len(nondiff_in)])
-        res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree)) / n_dev
-        self.stats.ilps_solved += 1
+        res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree))
+        out = self._graphs[io[5]] = (graph, res_bytes, param_bytes)
+        return out
+
+    def _solve(
+        self, io: tuple[Any, ...], submesh: tuple[int, int], logical: tuple[int, ...]
+    ) -> StageCost | None:
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
+        graph, res_total, param_bytes = self._graph(io)
+        n_dev = submesh[0] * submesh[1]
+        cost = self.cost_model(submesh, logical)
+        opt = self.method.default_auto_sharding_option
+        budget = _budget(self.method, self.cluster)
+        state = self.state_ratio * param_bytes / n_dev
+        with self._lock:
+            self.stats.ilps_solved += 1
         try:
             plan = plan_sharding(
                 graph,
@@ -223,10 +303,8 @@ class _StageModel:
                 backend=opt.backend,
                 time_limit=opt.time_limit,
             )
-        except MemoryBudgetError as err:
-            if err.min_budget is not None:
-                self.min_need[self._last_key] = err.min_budget + state
-            return None
+        except MemoryBudgetError:
+            return None  # this stage does not fit here; the DP sees an infinite cost
         in_spec_of = {
             v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
         }
@@ -234,12 +312,19 @@ class _StageModel:
         return StageCost(
             latency=plan.predicted_time,
             peak_memory=plan.peak_memory,
-            residual_bytes=res_bytes,
+            residual_bytes=res_total / n_dev,
             state_bytes=state,
             plan=plan,
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
         )
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _is_float(aval: Any) -> bool:
@@ -308,12 +393,13 @@ def plan_pipeline(
     so = method.stage_option
     B = method.num_micro_batches
     problem = solution = None
+    composed: list[StageCost | None] | None = None
     if isinstance(so, AutoStageOption):
         shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
         configs = [logical_shapes(s, so.logical_shapes) for s in shapes]
         C = max(len(c) for c in configs)
         budget = _budget(method, cluster)
-        entries = _cost_entries(model, starts, ends, shapes, configs, so.profiling, progress)
+        entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
         names = tuple("1d" if ci == 0 else "2d" for ci in range(C))
         problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         try:
@@ -342,6 +428,18 @@ def plan_pipeline(
         subs = [st.submesh_shape for st in solution.stages]
         logicals = [configs[st.submesh_index][st.config_index] for st in solution.stages]
         devices = assign_devices(subs, cluster)
+        if so.profiling == "individual":  # compose the chosen stages too: no new ILPs
+            composed = [
+                _composed_stage(
+                    model,
+                    tables[(st.submesh_index, st.config_index)],
+                    starts,
+                    ends,
+                    st.layer_start,
+                    st.layer_end,
+                )
+                for st in solution.stages
+            ]
     elif isinstance(so, UniformStageOption):
         S = so.num_stages
         if S > L:
@@ -371,8 +469,14 @@ def plan_pipeline(
             _check_devices(subs, cluster)
             devices = assign_devices(subs, cluster)
     decisions = []
-    for (i, j), sub, logical, devs in zip(ranges, subs, logicals, devices, strict=True):
-        sc = model.cost(starts[i], ends[j], sub, logical)
+    for s, ((i, j), sub, logical, devs) in enumerate(
+        zip(ranges, subs, logicals, devices, strict=True)
+    ):
+        if composed is not None:
+            sc = composed[s]
+        else:
+            model.stats.cost_entries += not isinstance(so, AutoStageOption)
+            sc = model.cost(starts[i], ends[j], sub, logical)
         if sc is None:
             raise MemoryBudgetError(
                 f"memory_budget: stage of layers {i}..{j} on submesh {sub} does not fit "
@@ -393,45 +497,134 @@ def _check_devices(subs: Sequence[tuple[int, int]], cluster: ClusterSpec) -> Non
         )
 
 
-def _cost_entries(model, starts, ends, shapes, configs, profiling, progress):
-    """StageCost of every (first layer, last layer, submesh, config) that has a plan."""
+@dataclass
+class _LayerTable:
+    """Per-layer ILP results on one (submesh, logical mesh), and the resharding time between
+    the layout a layer hands a value on in and the layout a later layer reads it in."""
+
+    costs: list[StageCost | None]
+    reshard_into: list[list[tuple[int, float]]]  # layer b -> [(producer layer a, seconds)]
+
+
+def _layer_table(model, starts, ends, sub, logical) -> _LayerTable:
+    L = len(starts)
+    costs = [model.cost(starts[k], ends[k], sub, logical) for k in range(L)]
+    cm = model.cost_model(sub, logical)
+    producer: dict[Any, tuple[int, int]] = {}
+    for a in range(L):
+        for o, v in enumerate(model.slice(starts[a], ends[a]).outvars):
+            producer[v] = (a, o)
+    into: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    for b in range(L):
+        cb = costs[b]
+        if cb is None:
+            continue
+        for k, v in enumerate(model.slice(starts[b], ends[b]).invars):
+            a, o = producer.get(v, (None, 0))
+            ca = None if a is None else costs[a]
+            if ca is None or ca.out_specs[o] is None or cb.in_specs[k] is None:
+                continue
+            src, dst = ca.out_specs[o], cb.in_specs[k]
+            shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+            t = cm.reshard(shape, size, src, dst)
+            if _is_float(v.aval):  # its cotangent travels back the other way
+                t += cm.reshard(shape, size, dst, src)
+            if t > 0:
+                into[b].append((a, t))
+    return _LayerTable(costs, into)
+
+
+def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
+    """Individual-mode costs of layers ``i..j`` for every ``j >= i``, by running sums:
+    per-layer latencies plus the resharding between layers inside the range. Memory sums the
+    per-layer peaks, an upper bound on the stage's peak (each layer's transient buffers are
+    counted as if all were live at once)."""
+    out: list[StageCost | None] = []
+    lat = peak = res = state = 0.0
+    for j in range(i, len(table.costs)):
+        p = table.costs[j]
+        if p is None:
+            out.extend([None] * (len(table.costs) - j))
+            break
+        lat += p.latency + sum(t for a, t in table.reshard_into[j] if a >= i)
+        peak, res, state = peak + p.peak_memory, res + p.residual_bytes, state + p.state_bytes
+        out.append(StageCost(lat, peak, res, state))
+    return out
+
+
+def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> StageCost | None:
+    """The composed cost of layers ``i..j`` plus the layouts at the stage's edges: each value
+    the stage reads takes the layout of the first layer that reads it; each value it hands on,
+    its producer's."""
+    sc = _composed_row(table, i)[j - i]
+    if sc is None:
+        return None
+    stage = model.slice(starts[i], ends[j])
+    read_as: dict[Any, ShardingSpec | None] = {}
+    made_as: dict[Any, ShardingSpec | None] = {}
+    for k in range(i, j + 1):
+        sl, layer = model.slice(starts[k], ends[k]), table.costs[k]
+        for v, spec in zip(sl.invars, layer.in_specs, strict=True):
+            read_as.setdefault(v, spec)
+        made_as.update(zip(sl.outvars, layer.out_specs, strict=True))
+    return dataclasses.replace(
+        sc,
+        in_specs=tuple(read_as.get(v) for v in stage.invars),
+        out_specs=tuple(made_as.get(v) for v in stage.outvars),
+    )
+
+
+def _allowed_submeshes(shapes, space: str) -> list[bool]:
+    """Which submesh shapes the search uses: all, or those with a power-of-two host count."""
+    return [space == "all" or (h & (h - 1)) == 0 for h, _ in shapes]
+
+
+def _cost_entries(model, starts, ends, shapes, configs, option, progress):
+    """StageCost of every (first layer, last layer, submesh, config) that has a plan, and the
+    per-layer tables individual mode composed them from."""
     L = len(starts)
     entries: dict[tuple[int, int, int, int], StageCost] = {}
-    per_layer: dict[tuple[int, int, int], StageCost | None] = {}
-    C = max(len(c) for c in configs)
-    total = L * len(shapes) * C if profiling == "individual" else L * (L + 1) // 2 * len(shapes) * C
+    tables: dict[tuple[int, int], _LayerTable] = {}
+    allowed = _allowed_submeshes(shapes, option.submesh_space)
+    n_cfg = sum(len(configs[si]) for si in range(len(shapes)) if allowed[si])
+    individual = option.profiling == "individual"
+    total = L * n_cfg if individual else L * (L + 1) // 2 * n_cfg
+    requests = [
+        (starts[i], ends[j], sub, logical)
+        for si, sub in enumerate(shapes)
+        if allowed[si]
+        for logical in configs[si]
+        for i in range(L)
+        for j in ([i] if individual else range(i, L))
+    ]
+    if progress:
+        progress(f"stage costs: {len(requests)} (layer range, mesh) pairs")
+    model.prefetch(requests)
     done = 0
     for si, sub in enumerate(shapes):
+        if not allowed[si]:
+            continue
         for ci, logical in enumerate(configs[si]):
-            if profiling == "individual":
-                for layer in range(L):
-                    per_layer[(layer, si, ci)] = model.cost(
-                        starts[layer], ends[layer], sub, logical
-                    )
+            if individual:
+                table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical)
+                done += L
+                if progress:
+                    progress(f"stage costs {done}/{total}")
+                for i in range(L):
+                    for j, sc in enumerate(_composed_row(table, i), start=i):
+                        if sc is not None:
+                            entries[(i, j, si, ci)] = sc
+                continue
+            for i in range(L):
+                for j in range(i, L):
+                    sc = model.cost(starts[i], ends[j], sub, logical)
                     done += 1
                     if progress:
                         progress(f"stage costs {done}/{total}")
-            for i in range(L):
-                for j in range(i, L):
-                    if profiling == "individual":
-                        parts = [per_layer[(k, si, ci)] for k in range(i, j + 1)]
-                        if any(p is None for p in parts):
-                            continue
-                        sc = StageCost(
-                            latency=sum(p.latency for p in parts),
-                            peak_memory=sum(p.peak_memory for p in parts),
-                            residual_bytes=sum(p.residual_bytes for p in parts),
-                            state_bytes=sum(p.state_bytes for p in parts),
-                        )
-                    else:
-                        sc = model.cost(starts[i], ends[j], sub, logical)
-                        done += 1
-                        if progress:
-                            progress(f"stage costs {done}/{total}")
-                        if sc is None:
-                            continue
-                    entries[(i, j, si, ci)] = sc
-    return entries
+                    if sc is not None:
+                        entries[(i, j, si, ci)] = sc
+    model.stats.cost_entries += L * (L + 1) // 2 * n_cfg
+    return entries, tables
 
 
 def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
@@ -465,11 +658,10 @@ def _least_pipeline_memory(
 ) -> float:
     """Smallest budget at which the DP finds a slicing, from stage plans made without a budget
     (each such plan stays feasible at any budget above its memory, so this budget fits)."""
-    unlimited = dataclasses.replace(method, stage_option=AutoStageOption(memory_budget=math.inf))
+    free_option = dataclasses.replace(method.stage_option, memory_budget=math.inf)
+    unlimited = dataclasses.replace(method, stage_option=free_option)
     free_model = _StageModel(forward, capture, cluster, unlimited, state_total, param_total)
-    entries = _cost_entries(
-        free_model, starts, ends, shapes, configs, method.stage_option.profiling, None
-    )
+    entries, _ = _cost_entries(free_model, starts, ends, shapes, configs, free_option, None)
     L, C = len(starts), max(len(c) for c in configs)
     candidates = sorted({sc.memory(k) for sc in entries.values() for k in range(1, L + 1)})
 

@@ -14,6 +14,7 @@ A primitive without a rule gets one strategy, everything replicated, and one log
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -514,6 +515,19 @@ def _axis_names(axes: Sequence[int]) -> str:
     return ",".join(str(a) for a in axes)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The mesh-only part of a strategy: layouts, split parallelism, the collectives' shape."""
+
+    name: str
+    in_specs: tuple[ShardingSpec | None, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    parallel: int
+    partial_shards: tuple[int, ...]  # shards of each result while its sum is partial
+    groups: tuple[tuple[int, ...], ...]  # all-reduce axes, one group per split reduction
+    scatter: tuple[int, ...] | None  # reduce-scatter axes instead of the all-reduces
+
+
 def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strategy]:
     """Every valid strategy of ``node`` on the cost model's mesh, with its own costs."""
     mesh_shape = cost.mesh.shape
@@ -524,6 +538,58 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
     traffic = node.bytes_accessed * node.multiplier
     if nest is None:
         return [_replicated(node, graph, cost, dtype, work, traffic)]
+    in_shapes = tuple(None if t is None else graph.tensors[t].shape for t in node.inputs)
+    out_shapes = tuple(t.shape for t in out_tensors)
+    layouts = _layouts(
+        nest,
+        in_shapes,
+        out_shapes,
+        tuple(mesh_shape),
+        symmetric_axis_pairs(cost),
+        cost.native_reduce_scatter,
+    )
+    if not layouts:
+        return [_replicated(node, graph, cost, dtype, work, traffic)]
+    out = []
+    compute_of: dict[int, float] = {}
+    for lay in layouts:
+        compute = compute_of.get(lay.parallel)
+        if compute is None:
+            compute = compute_of[lay.parallel] = cost.compute(work, traffic, dtype, lay.parallel)
+        colls: tuple[Collective, ...] = ()
+        if lay.groups:
+            partial = sum(
+                t.nbytes / n for t, n in zip(out_tensors, lay.partial_shards, strict=True)
+            )
+            if lay.scatter is not None:
+                kind = "reduce-scatter" if cost.native_reduce_scatter else "all-reduce"
+                seconds = cost.reduce_scatter(partial, lay.scatter)
+                colls = (Collective(kind, lay.scatter, partial, seconds),)
+            else:
+                colls = tuple(
+                    Collective("all-reduce", g, partial, cost.all_reduce(partial, g))
+                    for g in lay.groups
+                )
+        comm = sum(c.seconds for c in colls) * node.multiplier
+        memory = sum(
+            t.nbytes / s.num_shards(mesh_shape)
+            for s, t in zip(lay.out_specs, out_tensors, strict=True)
+        )
+        out.append(Strategy(lay.name, lay.in_specs, lay.out_specs, compute, comm, memory, colls))
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layouts(
+    nest: LoopNest,
+    in_shapes: tuple[tuple[int, ...] | None, ...],
+    out_shapes: tuple[tuple[int, ...], ...],
+    mesh_shape: tuple[int, ...],
+    twins: tuple[tuple[int, int], ...],
+    native_rs: bool,
+) -> tuple[_Layout, ...]:
+    """Every valid assignment of mesh axes to the nest's loops, as layouts. It depends only on
+    shapes and the mesh, so the many nodes of a model that share them are enumerated once."""
     axes = [a for a, n in enumerate(mesh_shape) if n > 1]
     in_result = {loop for m in nest.outputs for loop in m if loop is not None}
     reduce_kind = dict(nest.reductions)
@@ -532,8 +598,7 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
         for loop in range(len(nest.sizes))
         if loop not in nest.fixed and (loop in in_result or loop in reduce_kind)
     ]
-    found: dict[tuple, Strategy] = {}
-    twins = symmetric_axis_pairs(cost)
+    found: dict[tuple, _Layout] = {}
     for assignment in itertools.product([None, *splittable], repeat=len(axes)):
         if twins and not _canonical(assignment, axes, twins):
             continue
@@ -564,33 +629,30 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
         in_specs = tuple(None if m is None else spec(m) for m in nest.operands)
         # Operand dims of size 1 or not divisible by their loop's split cannot carry it.
         if any(
-            s is not None and t is not None and not s.fits(graph.tensors[t].shape, mesh_shape)
-            for s, t in zip(in_specs, node.inputs, strict=True)
+            sp is not None and shape is not None and not sp.fits(shape, mesh_shape)
+            for sp, shape in zip(in_specs, in_shapes, strict=True)
         ):
             continue
         parallel = math.prod(mesh_shape[a] for ax in loop_axes.values() for a in ax)
-        compute = cost.compute(work, traffic, dtype, parallel)
-        base_out = [spec(m) for m in nest.outputs]
+        base_out = tuple(spec(m) for m in nest.outputs)
         label = (
             " ".join(f"L{loop}={_axis_names(ax)}" for loop, ax in sorted(loop_axes.items()))
             or "replicated"
         )
-        variants: list[tuple[str, tuple[ShardingSpec, ...], tuple[Collective, ...]]] = []
+        # XLA combines partial results one reduced dimension at a time: one all-reduce per
+        # split reduction loop, over that loop's axes.
+        groups = tuple(tuple(ax) for loop, ax in sorted(loop_axes.items()) if loop in reduce_kind)
+        shards = tuple(sp.num_shards(mesh_shape) for sp in base_out)
+        variants: list[tuple[str, tuple[ShardingSpec, ...], tuple[int, ...] | None, tuple]] = []
         if not reduced:
-            variants.append((label, tuple(base_out), ()))
+            variants.append((label, base_out, None, ()))
         else:
-            pairs = zip(out_tensors, base_out, strict=True)
-            partial = sum(t.nbytes / s.num_shards(mesh_shape) for t, s in pairs)
+            ar_key = tuple(("all-reduce", g) for g in groups)
+            variants.append((f"{label} AR({_axis_names(reduced)})", base_out, None, ar_key))
             kinds = {reduce_kind[loop] for loop in loop_axes if loop in reduce_kind}
-            # XLA combines partial results one reduced dimension at a time: one all-reduce
-            # per split reduction loop, over that loop's axes.
-            groups = [tuple(ax) for loop, ax in sorted(loop_axes.items()) if loop in reduce_kind]
-            ars = tuple(
-                Collective("all-reduce", g, partial, cost.all_reduce(partial, g)) for g in groups
-            )
-            variants.append((f"{label} AR({_axis_names(reduced)})", tuple(base_out), ars))
             if kinds == {"sum"} and len(base_out) == 1 and len(groups) == 1:
-                out_shape = out_tensors[0].shape
+                out_shape = out_shapes[0]
+                kind = "reduce-scatter" if native_rs else "all-reduce"
                 for d in range(len(out_shape)):
                     have = base_out[0].dims[d]
                     if have and max(have) > min(reduced):
@@ -598,22 +660,20 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
                     cand = spec(nest.outputs[0], {d: reduced})
                     if not cand.fits(out_shape, mesh_shape):
                         continue
-                    kind = "reduce-scatter" if cost.native_reduce_scatter else "all-reduce"
-                    rs = Collective(kind, reduced, partial, cost.reduce_scatter(partial, reduced))
-                    variants.append((f"{label} RS({_axis_names(reduced)})@{d}", (cand,), (rs,)))
-        for name, outs, colls in variants:
-            pairs = list(zip(outs, out_tensors, strict=True))
-            if any(not s.fits(t.shape, mesh_shape) for s, t in pairs):
+                    name = f"{label} RS({_axis_names(reduced)})@{d}"
+                    variants.append((name, (cand,), reduced, ((kind, reduced),)))
+        for name, outs, scatter, coll_key in variants:
+            if any(
+                not sp.fits(shape, mesh_shape) for sp, shape in zip(outs, out_shapes, strict=True)
+            ):
                 continue
-            key = (in_specs, outs, tuple((c.kind, c.axes) for c in colls))
+            key = (in_specs, outs, coll_key)
             if key in found:
                 continue
-            comm = sum(c.seconds for c in colls) * node.multiplier
-            memory = sum(t.nbytes / s.num_shards(mesh_shape) for s, t in pairs)
-            found[key] = Strategy(name, in_specs, outs, compute, comm, memory, colls)
-    if not found:
-        return [_replicated(node, graph, cost, dtype, work, traffic)]
-    return list(found.values())
+            found[key] = _Layout(
+                name, in_specs, outs, parallel, shards, groups if reduced else (), scatter
+            )
+    return tuple(found.values())
 
 
 def symmetric_axis_pairs(cost: CostModel) -> tuple[tuple[int, int], ...]:

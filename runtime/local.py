@@ -6,14 +6,16 @@ run on disjoint devices; a ``Put`` between meshes is a ``jax.device_put``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 
 from .instructions import Accumulate, Free, Instruction, Put, Run
 
-__all__ = ["LocalRuntime"]
+__all__ = ["InstructionTiming", "LocalRuntime"]
 
 
 class LocalRuntime:
@@ -29,25 +31,66 @@ class LocalRuntime:
         self.layouts = dict(layouts)
         self.add = add
 
-    def execute(self, stream: list[Instruction], buffers: dict[str, Any]) -> dict[str, Any]:
-        """Run ``stream``; ``buffers`` holds the named inputs and receives every result."""
-        for ins in stream:
-            if isinstance(ins, Run):
-                outs = self.programs[ins.program](*(buffers[n] for n in ins.inputs))
-                if len(ins.outputs) != len(outs):
-                    raise RuntimeError(
-                        f"program {ins.program} returned {len(outs)} values for "
-                        f"{len(ins.outputs)} outputs"
-                    )
-                buffers.update(zip(ins.outputs, outs, strict=True))
-            elif isinstance(ins, Put):
-                buffers[ins.dst] = jax.device_put(buffers[ins.src], self.layouts[ins.layout])
-            elif isinstance(ins, Accumulate):
-                src = buffers[ins.src]
-                buffers[ins.dst] = src if ins.first else self.add(buffers[ins.dst], src)
-            elif isinstance(ins, Free):
-                for name in ins.names:
-                    buffers.pop(name, None)
-            else:  # pragma: no cover - the union above is closed
-                raise TypeError(f"unknown instruction {ins!r}")
+    def execute(
+        self,
+        stream: list[Instruction],
+        buffers: dict[str, Any],
+        timeline: list[InstructionTiming] | None = None,
+    ) -> dict[str, Any]:
+        """Run ``stream``; ``buffers`` holds the named inputs and receives every result.
+
+        With a ``timeline`` list, every instruction waits for its results before the next one
+        starts, and its measured wall-clock interval is appended: the stream then runs back
+        to back (no overlap between meshes), which is what a per-instruction trace measures.
+        """
+        for index, ins in enumerate(stream):
+            start = time.perf_counter() if timeline is not None else 0.0
+            self._one(ins, buffers)
+            if timeline is not None:
+                jax.block_until_ready([buffers[n] for n in _written(ins) if n in buffers])
+                end = time.perf_counter()
+                timeline.append(InstructionTiming(index, ins, start, end))
         return buffers
+
+    def _one(self, ins: Instruction, buffers: dict[str, Any]) -> None:
+        """Interpret one instruction against ``buffers``."""
+        if isinstance(ins, Run):
+            outs = self.programs[ins.program](*(buffers[n] for n in ins.inputs))
+            if len(ins.outputs) != len(outs):
+                raise RuntimeError(
+                    f"program {ins.program} returned {len(outs)} values for "
+                    f"{len(ins.outputs)} outputs"
+                )
+            buffers.update(zip(ins.outputs, outs, strict=True))
+        elif isinstance(ins, Put):
+            buffers[ins.dst] = jax.device_put(buffers[ins.src], self.layouts[ins.layout])
+        elif isinstance(ins, Accumulate):
+            src = buffers[ins.src]
+            buffers[ins.dst] = src if ins.first else self.add(buffers[ins.dst], src)
+        elif isinstance(ins, Free):
+            for name in ins.names:
+                buffers.pop(name, None)
+        else:  # pragma: no cover - the union above is closed
+            raise TypeError(f"unknown instruction {ins!r}")
+
+
+@dataclass(frozen=True)
+class InstructionTiming:
+    """One instruction's measured interval (``time.perf_counter`` seconds)."""
+
+    index: int
+    instruction: Instruction
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def _written(ins: Instruction) -> tuple[str, ...]:
+    if isinstance(ins, Run):
+        return ins.outputs
+    if isinstance(ins, Put | Accumulate):
+        return (ins.dst,)
+    return ()

@@ -49,9 +49,12 @@ def test_malformed_file_names_the_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert "problem.edges.costs: missing field" in capsys.readouterr().out
 
 
+SHARD_ARGS = ("--steps", "3", "--mesh", "2,4")
+
+
 @pytest.mark.slow
-def test_demo_main_job_matches_serial_jax() -> None:
-    """The README's main command: GPT on 8 simulated devices, checked against serial JAX.
+def test_shard_demo_matches_serial_jax() -> None:
+    """The ShardParallel demo: GPT on 8 simulated devices, checked against serial JAX.
 
     Runs in a subprocess: the demo starts JAX's backend itself (alpa_mini.init).
     """
@@ -59,7 +62,7 @@ def test_demo_main_job_matches_serial_jax() -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "alpa_mini.cli", "demo", "--steps", "3", "--mesh", "2,4"],
+        [sys.executable, "-m", "alpa_mini.cli", "demo", "--method", "shard", *SHARD_ARGS],
         capture_output=True,
         text=True,
         timeout=600,
@@ -68,3 +71,24 @@ def test_demo_main_job_matches_serial_jax() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "matches serial JAX" in out.stdout
     assert "ShardingPlan on mesh (2, 4)" in out.stdout
+
+
+@pytest.mark.slow
+def test_demo_main_job_pipeshard_matches_serial_jax() -> None:
+    """The README's main command: GPT with auto layers and auto stages on 8 simulated
+    devices, run by the local pipeline runtime and checked against serial JAX."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "alpa_mini.cli", "demo", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "120"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Pipeshard plan:" in out.stdout
+    assert "4 layers" in out.stdout
+    assert "matches serial JAX" in out.stdout

@@ -152,8 +152,12 @@ def test_identical_layers_are_solved_once():
     method = PipeshardParallel(num_micro_batches=2, stage_option=AutoStageOption())
     ex = _run(loss, params, data, method, steps=1)
     p = ex.plan.planning
-    assert p["cost_entries"] > p["ilps_solved"]
-    assert p["cache_hits"] > 0
+    # Three kinds of layer: the first (reads the batch, needs no input cotangent), four equal
+    # middle ones, the last (with the loss); six (submesh, logical mesh) pairs on one host of
+    # 8: (1,), (2,), (4,), (2, 2), (8,), (2, 4). Individual profiling composes the 21 ranges.
+    assert p["ilps_solved"] == 3 * 6
+    assert p["cost_entries"] == 21 * 6
+    assert p["cache_hits"] == 3 * 6  # layers 2..4 of the middle four, on each mesh
 
 
 def test_too_small_memory_names_the_minimum():
@@ -240,3 +244,23 @@ def test_cli_plan_from_abstract_shapes(tmp_path):
     assert sum(len(s.devices) for s in plan.stages) == 8
     assert plan.num_layers == 5  # embedding + 4 blocks, cut at the model's pipeline marks
     assert plan.planning["ilps_solved"] < plan.planning["cost_entries"]
+
+
+def test_profile_times_every_instruction_and_matches_the_plain_step():
+    from alpa_mini.runtime.instructions import Run
+
+    _init("cpu-1x8")
+    loss, params, data = _mlp_case()
+    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4)))
+    ex = _run(loss, params, data, method, steps=1)
+    state = adam(1e-2, eps=1e-3).init(params)
+    plain = ex(params, state, data)
+    timed, timeline = ex.profile(params, state, data)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(timed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [t.index for t in timeline] == list(range(len(ex.compiled.stream)))
+    assert [t.instruction for t in timeline] == ex.compiled.stream
+    for a, b in zip(timeline, timeline[1:], strict=False):
+        assert a.start <= a.end <= b.start  # back to back: each waits for the previous
+    runs = [t.instruction.program for t in timeline if isinstance(t.instruction, Run)]
+    assert runs.count("fwd0") == runs.count("bwd1") == 4  # one per micro-batch

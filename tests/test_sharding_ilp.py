@@ -268,3 +268,37 @@ def test_solver_argument_errors() -> None:
         solve_sharding(problem, time_limit=-1)
     with pytest.raises(SolverInputError, match="on_infeasible"):
         solve_sharding(problem, on_infeasible="ignore")
+
+
+def _cycle(n: int) -> ShardingProblem:
+    """``n`` nodes in a ring, two strategies each, an edge costs 1 where both ends agree."""
+    return ShardingProblem.from_lists(
+        costs=[[0.0, 0.0]] * n,
+        edges=[(k, (k + 1) % n) for k in range(n)],
+        edge_costs=[[1.0, 0.0, 0.0, 1.0]] * n,
+    )
+
+
+def test_lp_first_path_when_an_integral_optimum_meets_the_lp_bound() -> None:
+    """An even ring's relaxation is degenerate (all halves cost 0 too); the LP dive must still
+    return an integral optimum, certified by the bound, without branch-and-bound."""
+    from alpa_mini.solvers.mip_backends import run_mip
+    from alpa_mini.solvers.mip_model import build_mip
+
+    core = simplify(_cycle(6), enabled=False).core
+    model = build_mip(core)
+    result = run_mip(model, "highs", time_limit=None)
+    assert result.status == "optimal" and result.detail == "Optimal (LP)"
+    choice = model.strategies_from(result.x)
+    assert [int(c) for c in choice] in ([0, 1] * 3, [1, 0] * 3)
+    assert result.objective * model.cost_scale + model.offset == pytest.approx(0.0, abs=1e-12)
+
+
+def test_mip_takes_over_when_the_lp_bound_is_not_integral() -> None:
+    """An odd ring cannot alternate: the LP reaches 0 with halves, the optimum is 1. The dive
+    must notice that fixing a node raises the objective and hand over to the MIP."""
+    problem = _cycle(5)
+    sol = solve_sharding(problem, simplify_graph=False)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(1.0)
+    assert sol.objective == pytest.approx(_optimum(problem))

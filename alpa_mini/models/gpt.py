@@ -238,15 +238,19 @@ def gpt_forward(params: Params, tokens: jax.Array, config: GPTConfig | None = No
         _check_matches(params, config)
     remat = config is not None and config.remat
     dtype = DTYPES[config.dtype] if config is not None else jnp.float32
-    if dtype != jnp.float32:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def cast(tree: Any) -> Any:
+        # Each part is cast where it is used, so that a pipeline stage casts only its own
+        # parameters (casting all up front would put every layer's cast in the first stage).
+        return tree if dtype == jnp.float32 else jax.tree.map(lambda a: a.astype(dtype), tree)
+
     seq = tokens.shape[-1]
     if seq > params["wpe"].shape[0]:
         raise ValueError(
             f"gpt_forward: sequence length {seq} exceeds the {params['wpe'].shape[0]} positions"
         )
     # Plain indexing lowers to a top-level ``gather`` (``jnp.take`` would wrap it in a jit).
-    x = params["wte"][tokens] + params["wpe"][:seq]
+    x = cast(params["wte"])[tokens] + cast(params["wpe"])[:seq]
     block = jax.checkpoint(_block) if remat else _block
     layers = params["layers"]
     marks = config is not None and config.pipeline_marks
@@ -254,13 +258,13 @@ def gpt_forward(params: Params, tokens: jax.Array, config: GPTConfig | None = No
         x = mark_pipeline_boundary(x)
     if isinstance(layers, list | tuple):
         for k, layer in enumerate(layers):
-            x = block(layer, x)
+            x = block(cast(layer), x)
             if marks and k < len(layers) - 1:
                 x = mark_pipeline_boundary(x)
     else:
-        x, _ = jax.lax.scan(lambda carry, layer: (block(layer, carry), None), x, layers)
-    x = layer_norm(params["ln_f"], x)
-    return jnp.einsum("bsh,vh->bsv", x, params["wte"]).astype(jnp.float32)
+        x, _ = jax.lax.scan(lambda carry, layer: (block(cast(layer), carry), None), x, layers)
+    x = layer_norm(cast(params["ln_f"]), x)
+    return jnp.einsum("bsh,vh->bsv", x, cast(params["wte"])).astype(jnp.float32)
 
 
 def gpt_loss(
