@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: (model, hosts, devices per host, micro-batches, target seconds or None)
 PLANNING_ROWS = [
-    ("gpt-350m", 1, 1, 64, None),
+    ("gpt-350m", 1, 1, 128, None),
     ("gpt-760m", 1, 2, 64, None),
     ("gpt-1.3b", 1, 4, 128, 3.0),
     ("gpt-2.6b", 1, 8, 128, None),
@@ -320,7 +320,7 @@ def runtime_child(steps: int) -> dict[str, Any]:
     for _ in range(2):  # compile and warm up
         p, s, out = ex(p, s, batch)
         jax.block_until_ready((p, s, out))
-    pipelined, back_to_back, runs, puts, others = [], [], [], [], []
+    pipelined, back_to_back, runs, stage_runs, puts, others = [], [], [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         p, s, out = ex(p, s, batch)
@@ -331,6 +331,13 @@ def runtime_child(steps: int) -> dict[str, Any]:
         jax.block_until_ready((p, s, out))
         back_to_back.append(time.perf_counter() - t0)
         runs.append(sum(t.seconds for t in timeline if isinstance(t.instruction, Run)))
+        stage_runs.append(
+            sum(
+                t.seconds
+                for t in timeline
+                if isinstance(t.instruction, Run) and t.instruction.program[:3] in ("fwd", "bwd")
+            )
+        )
         puts.append(sum(t.seconds for t in timeline if isinstance(t.instruction, Put)))
         others.append(sum(t.seconds for t in timeline if not isinstance(t.instruction, Run | Put)))
     n_runs = sum(isinstance(i, Run) for i in ex.compiled.stream)
@@ -341,6 +348,7 @@ def runtime_child(steps: int) -> dict[str, Any]:
         "pipelined": pipelined,
         "back_to_back": back_to_back,
         "run_sum": runs,
+        "stage_run_sum": stage_runs,
         "put_sum": puts,
         "other_sum": others,
     }

@@ -120,6 +120,8 @@ LP_INTEGRAL_TOL = 1e-7
 LP_BOUND_RTOL = 1e-9
 #: Most nodes an LP dive fixes before it hands the problem to branch-and-bound.
 LP_MAX_DIVES = 8
+#: Strategies of one node a dive tries before it gives up on the LP alone.
+LP_DIVE_TRIES = 2
 
 
 def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndarray | None:
@@ -131,8 +133,8 @@ def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndar
     on these 100k-column models. When the optimum is degenerate (a 2-D mesh with two equal
     axes has mirror-image plans of equal cost, and the LP averages them), fixing one
     fractional node to its largest strategy and re-solving from the same basis usually
-    lands on an integral vertex; it is accepted only if its objective still equals the root
-    LP bound, which proves it optimal.
+    lands on an integral vertex (of a tie, the first choice that keeps the bound); it is
+    accepted only if its objective still equals the root LP bound, which proves it optimal.
     """
     import highspy
 
@@ -144,16 +146,27 @@ def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndar
     h.setOptionValue("simplex_scale_strategy", 0)
     h.passModel(_highs_lp(model, integer=False))
     offs = model.s_offsets
-    root = None
-    for _ in range(LP_MAX_DIVES + 1):
+    deadline = math.inf if time_limit is None else t0 + time_limit
+
+    def solve() -> float | None:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return None
+        if math.isfinite(left):
+            h.setOptionValue("time_limit", left)
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
-        objective = float(h.getInfo().objective_function_value)
-        if root is None:
-            root = objective
-        elif objective > root + LP_BOUND_RTOL * max(abs(root), 1.0):
-            return None  # the dive lost optimality; branch-and-bound decides
+        return float(h.getInfo().objective_function_value)
+
+    def bound(cols: np.ndarray, upper: np.ndarray) -> None:
+        h.changeColsBounds(len(cols), cols.astype(np.int32), model.col_lower[cols], upper)
+
+    root = solve()
+    if root is None:
+        return None
+    tol = LP_BOUND_RTOL * max(abs(root), 1.0)
+    for _ in range(LP_MAX_DIVES + 1):
         x = np.asarray(h.getSolution().col_value)
         frac = np.abs(x[: offs[-1]] - np.round(x[: offs[-1]])) > LP_INTEGRAL_TOL
         if not frac.any():
@@ -161,16 +174,18 @@ def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndar
             return x
         v = int(np.searchsorted(offs, np.flatnonzero(frac)[0], side="right")) - 1
         seg = np.arange(offs[v], offs[v + 1])
-        keep = offs[v] + int(np.argmax(x[seg]))
-        others = seg[seg != keep]
-        h.changeColsBounds(
-            len(others), others.astype(np.int32), np.zeros(len(others)), np.zeros(len(others))
-        )
-        if time_limit is not None:
-            left = time_limit - (time.perf_counter() - t0)
-            if left <= 0:
-                return None
-            h.setOptionValue("time_limit", left)
+        # Try the node's fractional strategies, largest share first: with mirror-image
+        # optima the two halves tie, and only one orientation may keep the root bound.
+        tries = seg[np.argsort(-x[seg], kind="stable")]
+        for keep in tries[x[tries] > LP_INTEGRAL_TOL][:LP_DIVE_TRIES]:
+            others = seg[seg != keep]
+            bound(others, np.zeros(len(others)))
+            objective = solve()
+            if objective is not None and objective <= root + tol:
+                break
+            bound(others, model.col_upper[others])
+        else:
+            return None  # no choice keeps the bound; branch-and-bound decides
     return None
 
 
