@@ -167,8 +167,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         if args.devices != 8 and args.cluster != "local":
             console.print("[red]--devices needs --cluster local (a named cluster fixes it)[/]")
             return 2
-        try:
-            result = run_pipeshard_demo(
+
+        def run() -> dict:
+            return run_pipeshard_demo(
                 num_devices=args.devices,
                 steps=args.steps,
                 num_micro_batches=args.micro_batches,
@@ -176,25 +177,26 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 cluster_name=args.cluster,
                 console=console,
             )
-        except (ValueError, RuntimeError) as err:
-            console.print(f"[red]error:[/] {err}")
-            return 2
-        return 0 if result["ok"] else 1
-    mesh = None
-    if args.mesh:
-        try:
-            mesh = tuple(int(x) for x in args.mesh.split(","))
-        except ValueError:
-            console.print(f"[red]--mesh: {args.mesh!r} is not a shape like 8 or 2,4[/]")
-            return 2
+    else:
+        mesh = None
+        if args.mesh:
+            try:
+                mesh = tuple(int(x) for x in args.mesh.split(","))
+            except ValueError:
+                console.print(f"[red]--mesh: {args.mesh!r} is not a shape like 8 or 2,4[/]")
+                return 2
+
+        def run() -> dict:
+            return run_demo(
+                num_devices=args.devices,
+                steps=args.steps,
+                mesh_shape=mesh,
+                scan_layers=args.scan,
+                console=console,
+            )
+
     try:
-        result = run_demo(
-            num_devices=args.devices,
-            steps=args.steps,
-            mesh_shape=mesh,
-            scan_layers=args.scan,
-            console=console,
-        )
+        result = run()
     except (ValueError, RuntimeError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
