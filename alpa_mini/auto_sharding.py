@@ -264,6 +264,8 @@ def plan_sharding(
             # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past
             # the contest-tuned column cap, where region-by-region search runs to the limit.
             full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
+            # Planner MIPs nearly always have integral LP relaxations: settle them by LP.
+            lp_first=True,
         )
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(

@@ -44,7 +44,9 @@ class StageLowering:
 
     ``in_specs``/``out_specs`` give the layout of each of the slice's invars/outvars on the
     stage's logical mesh (None: the default rule, batch-like values split along their leading
-    dimension over every axis, everything else replicated).
+    dimension over every axis, everything else replicated); ``inner_specs`` pin values inside
+    the stage (by the forward equation and result that define them) with a sharding
+    constraint, which the backward mirrors on their cotangents.
     """
 
     start: int
@@ -53,6 +55,7 @@ class StageLowering:
     logical_shape: tuple[int, ...]
     in_specs: tuple[ShardingSpec | None, ...] | None = None
     out_specs: tuple[ShardingSpec | None, ...] | None = None
+    inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()  # (equation, result, spec)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -85,6 +88,7 @@ class _Stage:
     nondiff_out: list[Any] = field(default_factory=list)
     in_sharding: dict[Any, NamedSharding] = field(default_factory=dict)
     out_sharding: dict[Any, NamedSharding] = field(default_factory=dict)
+    pinned: dict[int, list[tuple[int, NamedSharding]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +147,14 @@ def compile_pipeline(
         mesh = Mesh(devs, lo.axis_names)
         sl = slice_stage(fj, lo.start, lo.end)
         st = _Stage(s, sl, mesh)
+        for e, o, spec in lo.inner_specs:
+            if not lo.start <= e < lo.end:
+                raise ValueError(
+                    f"inner_specs: equation {e} is outside stage {s} (equations "
+                    f"{lo.start}..{lo.end - 1})"
+                )
+            ps = spec.to_partition_spec(lo.axis_names)
+            st.pinned.setdefault(e - lo.start, []).append((o, NamedSharding(mesh, ps)))
         for v in sl.invars:
             if v in consts:
                 continue
@@ -395,6 +407,18 @@ def _stage_programs(
     diff_out, nondiff_out = list(st.diff_out), list(st.nondiff_out)
     eqns = st.sl.eqns
     used_consts = {v: c for v, c in consts.items() if v in set(st.sl.invars)}
+    # Runs of equations between the pinned ones, so that the common case stays one call.
+    cuts = sorted(st.pinned)
+
+    def f_env(env: dict[Any, Any]) -> None:
+        done = 0
+        for e in cuts:
+            eval_eqns(eqns[done : e + 1], env)
+            for o, sharding in st.pinned[e]:
+                v = eqns[e].outvars[o]
+                env[v] = jax.lax.with_sharding_constraint(env[v], sharding)
+            done = e + 1
+        eval_eqns(eqns[done:], env)
 
     def fwd(*args: Any) -> tuple[Any, ...]:
         d, nd = args[: len(diff_in)], args[len(diff_in) :]
@@ -403,7 +427,7 @@ def _stage_programs(
             env: dict[Any, Any] = dict(used_consts)
             env.update(zip(diff_in, dvals, strict=True))
             env.update(zip(nondiff_in, nd, strict=True))
-            eval_eqns(eqns, env)
+            f_env(env)
             return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
 
         outs_d, vjp_fn, outs_nd = jax.vjp(f, *d, has_aux=True)

@@ -110,6 +110,7 @@ def compile_pipeshard(
             s.logical_shape,
             s.in_specs or None,
             s.out_specs or None,
+            s.inner_specs,
         )
         for s in plan.stages
     ]
@@ -197,6 +198,7 @@ def _make_plan(decisions, starts, forward, method, cluster, problem, solution, s
                 d.cost.memory(1),
                 d.cost.in_specs,
                 d.cost.out_specs,
+                d.cost.inner_specs,
             )
             for d in decisions
         ),

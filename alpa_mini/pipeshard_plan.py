@@ -39,6 +39,7 @@ class StagePlan:
     peak_memory: float
     in_specs: tuple[ShardingSpec | None, ...]
     out_specs: tuple[ShardingSpec | None, ...]
+    inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()  # (equation, result, spec)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class StagePlan:
             "peak_memory": self.peak_memory,
             "in_specs": _spec_list(self.in_specs),
             "out_specs": _spec_list(self.out_specs),
+            "inner_specs": [[e, o, spec.to_list()] for e, o, spec in self.inner_specs],
         }
 
     @classmethod
@@ -67,6 +69,10 @@ class StagePlan:
             peak_memory=float(d["peak_memory"]),
             in_specs=_spec_tuple(d["in_specs"]),
             out_specs=_spec_tuple(d["out_specs"]),
+            inner_specs=tuple(
+                (int(e), int(o), ShardingSpec.from_list(spec))
+                for e, o, spec in d.get("inner_specs", [])
+            ),
         )
 
 

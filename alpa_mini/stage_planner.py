@@ -64,6 +64,9 @@ class StageCost:
     plan: ShardingPlan | None = None
     in_specs: tuple[ShardingSpec | None, ...] = ()
     out_specs: tuple[ShardingSpec | None, ...] = ()
+    # (equation, result, spec): layouts the ILP chose for values inside the stage (individual
+    # mode: each layer's results that later layers of the stage read).
+    inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()
 
     def memory(self, in_flight: int) -> float:
         return self.peak_memory + self.state_bytes + max(in_flight - 1, 0) * self.residual_bytes
@@ -132,6 +135,7 @@ class _StageModel:
         self._graphs: dict[Any, tuple[Any, float, float]] = {}
         self._cost_models: dict[Any, CostModel] = {}
         self._fresh: set[Any] = set()
+        self._sites: dict[Any, tuple[int, int]] | None = None
         self._lock = threading.Lock()
         self.stats = PlanningStats()
 
@@ -163,6 +167,16 @@ class _StageModel:
         )
         out = self._slices[(start, end)] = (sl, diff_in, nondiff_in, diff_out, nondiff_out, key)
         return out
+
+    def result_sites(self) -> dict[Any, tuple[int, int]]:
+        """Each forward variable's (equation, result index)."""
+        if self._sites is None:
+            self._sites = {
+                v: (e, o)
+                for e, eqn in enumerate(self.forward.jaxpr.eqns)
+                for o, v in enumerate(eqn.outvars)
+            }
+        return self._sites
 
     def _role(self, v: Any) -> str:
         """The op-graph role of a stage input: activations arrive like a batch."""
@@ -562,15 +576,29 @@ def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> 
     stage = model.slice(starts[i], ends[j])
     read_as: dict[Any, ShardingSpec | None] = {}
     made_as: dict[Any, ShardingSpec | None] = {}
+    read_later: set[Any] = set()
     for k in range(i, j + 1):
         sl, layer = model.slice(starts[k], ends[k]), table.costs[k]
         for v, spec in zip(sl.invars, layer.in_specs, strict=True):
             read_as.setdefault(v, spec)
+            if k > i:
+                read_later.add(v)
         made_as.update(zip(sl.outvars, layer.out_specs, strict=True))
+    # Values handed from one layer to a later one inside the stage keep their producer's
+    # layout, as the composed cost assumed (the consumer's reshard is priced from it).
+    site = model.result_sites()
+    inner = tuple(
+        sorted(
+            (*site[v], spec)
+            for v, spec in made_as.items()
+            if spec is not None and v in read_later and v in site
+        )
+    )
     return dataclasses.replace(
         sc,
         in_specs=tuple(read_as.get(v) for v in stage.invars),
         out_specs=tuple(made_as.get(v) for v in stage.outvars),
+        inner_specs=inner,
     )
 
 

