@@ -46,6 +46,7 @@ _LAZY = {
     "make_schedule": "schedules",
     "mark_pipeline_boundary": "pipeline_marker",
     "parallelize": "api",
+    "ray_session": "device_setup",
     "shutdown": "device_setup",
     "value_and_grad": "micro_batch",
 }
@@ -85,6 +86,7 @@ __all__ = [  # noqa: F405  (lazy names resolve through __getattr__)
     "make_schedule",
     "mark_pipeline_boundary",
     "parallelize",
+    "ray_session",
     "shutdown",
     "value_and_grad",
     *_solvers.__all__,

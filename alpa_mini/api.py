@@ -100,6 +100,14 @@ class ParallelizedFunction:
     def get_executable(self, *args: Any) -> Executable:
         """Plan (or fetch the cached plan) for arguments shaped like ``args``."""
         cluster = device_setup.current_cluster()
+        if device_setup.ray_session() is not None:
+            name = getattr(self.fun, "__name__", "step")
+            raise RuntimeError(
+                f"{name}: the cluster comes from init(cluster='ray'), whose workers "
+                "do not execute steps yet (the Ray runtime is in progress); plan without "
+                "running with alpa_mini.pipeshard_executable.plan_pipeshard(...), or run "
+                "locally after alpa_mini.init(cluster='local', num_cpu_devices=...)"
+            )
         dynamic, static = self._split_static(args)
         flat, in_tree = jax.tree.flatten(dynamic)
         paths = [

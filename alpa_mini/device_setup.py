@@ -15,21 +15,32 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 from .cluster import ClusterSpec, ConfigError, _looks_like_path, available_clusters
 
-__all__ = ["NUM_CPU_DEVICES_ENV", "current_cluster", "init", "is_initialized", "shutdown"]
+__all__ = [
+    "NUM_CPU_DEVICES_ENV",
+    "current_cluster",
+    "init",
+    "is_initialized",
+    "ray_session",
+    "shutdown",
+]
 
 NUM_CPU_DEVICES_ENV = "ALPA_MINI_NUM_CPU_DEVICES"
 
 _lock = threading.Lock()
 _current: ClusterSpec | None = None
+_ray: Any = None  # the RaySession of init(cluster="ray")
 
 
 def init(
     cluster: str | os.PathLike[str] | ClusterSpec = "local",
     *,
     num_cpu_devices: int | None = None,
+    address: str | None = None,
+    num_hosts: int | None = None,
 ) -> ClusterSpec:
     """Set up the local JAX devices and the cluster description; return the ClusterSpec.
 
@@ -42,6 +53,12 @@ def init(
         own setting alone). It is applied before the backend starts; if the backend already
         runs with this many CPU devices that is accepted, with another count it is an error.
 
+      address, num_hosts: only with ``cluster="ray"`` (see ``alpa_mini.ray_setup``):
+        ``address=None`` starts an embedded Ray on loopback, ``"auto"``/``"host:port"``
+        connects to a running head. Without GPUs this is the CPU test mode: ``num_hosts``
+        simulated hosts (default 2), each a Ray actor with ``num_cpu_devices`` CPU devices
+        (default 4). The returned ClusterSpec describes the workers' live devices.
+
     Calling ``init`` again replaces the current cluster (the device count rules still hold).
 
     Raises:
@@ -49,7 +66,19 @@ def init(
         with more devices than JAX has.
       RuntimeError: JAX's backend already started with a different number of CPU devices.
     """
-    global _current
+    global _current, _ray
+    if cluster == "ray":
+        from .ray_setup import start_ray_session
+
+        with _lock:
+            _close_ray()
+            _ray = start_ray_session(address, num_hosts=num_hosts, num_cpu_devices=num_cpu_devices)
+            _current = _ray.cluster
+            return _current
+    if address is not None or num_hosts is not None:
+        raise ConfigError(
+            f"address/num_hosts: only used with cluster='ray', not cluster={cluster!r}"
+        )
     count = _cpu_device_count(num_cpu_devices)
     described = _describe(cluster)  # validate everything before touching JAX
     with _lock:
@@ -83,10 +112,25 @@ def shutdown() -> None:
 
     JAX's backend cannot be un-started: its devices and CPU device count stay as they are
     for the rest of the process, so a later ``init`` must ask for the same CPU device count.
+    After ``init(cluster="ray")`` it also kills the host workers, removes their placement
+    group and disconnects from Ray (stopping it if ``init`` started it).
     """
     global _current
     with _lock:
         _current = None
+        _close_ray()
+
+
+def ray_session() -> Any:
+    """The ``RaySession`` of ``init(cluster="ray")`` (workers, placement group), or None."""
+    return _ray
+
+
+def _close_ray() -> None:
+    global _ray
+    if _ray is not None:
+        session, _ray = _ray, None
+        session.close()
 
 
 def current_cluster() -> ClusterSpec:
@@ -108,7 +152,7 @@ def is_initialized() -> bool:
 # ---------------------------------------------------------------------- helpers
 def _valid_values() -> str:
     return (
-        f"'local', a bundled cluster name ({', '.join(available_clusters())}), "
+        f"'local', 'ray', a bundled cluster name ({', '.join(available_clusters())}), "
         "the path of a cluster YAML, or a ClusterSpec"
     )
 

@@ -1,0 +1,116 @@
+"""``init(cluster="ray")``: an embedded Ray head of our own, one worker per simulated host,
+the cluster described from the workers' devices, and ``shutdown`` leaving nothing behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import alpa_mini
+from alpa_mini import ConfigError
+from alpa_mini.ray_setup import describe_workers, gpu_node_counts
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _gone(pids: list[int], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_cpu_mode_one_worker_per_simulated_host_and_clean_shutdown():
+    import ray
+
+    alpa_mini.shutdown()
+    try:
+        spec = alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+        assert (spec.num_hosts, spec.devices_per_host, spec.device.name) == (2, 4, "cpu")
+        # Two simulated hosts: the inter-host link is cpu-2x4's (gloo over loopback).
+        assert spec.inter_host == alpa_mini.ClusterSpec.named("cpu-2x4").inter_host
+        session = alpa_mini.ray_session()
+        info = session.worker_info
+        assert [w["host"] for w in info] == [0, 1]
+        assert [len(w["devices"]) for w in info] == [4, 4]
+        assert all(d["platform"] == "cpu" for w in info for d in w["devices"])
+        pids = [w["pid"] for w in info]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        assert ray.get([w.ping.remote() for w in session.workers]) == [0, 1]
+        assert alpa_mini.current_cluster() == spec
+        # Until the Ray runtime executes steps, running one says so instead of failing deep.
+        step = alpa_mini.parallelize(lambda p, b: p, method=alpa_mini.ShardParallel())
+        with pytest.raises(RuntimeError, match="do not execute steps yet"):
+            step(1.0, 2.0)
+
+        alpa_mini.shutdown()
+        assert not ray.is_initialized()
+        assert alpa_mini.ray_session() is None and not alpa_mini.is_initialized()
+        assert _gone(pids), "a worker process outlived shutdown()"
+
+        # The same process can connect again, with another layout.
+        again = alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
+        assert (again.num_hosts, again.devices_per_host) == (1, 2)
+        pids = [w["pid"] for w in alpa_mini.ray_session().worker_info]
+    finally:
+        alpa_mini.shutdown()
+    assert _gone(pids)
+
+
+def test_workers_on_gpu_nodes_describe_a_gpu_cluster():
+    info = [
+        {
+            "host": h,
+            "devices": [
+                {
+                    "id": 8 * h + k,
+                    "platform": "gpu",
+                    "device_kind": "NVIDIA A100-SXM4-80GB",
+                    "bytes_limit": 80 * 2**30,
+                }
+                for k in range(8)
+            ],
+        }
+        for h in range(2)
+    ]
+    spec = describe_workers(info)
+    assert (spec.num_hosts, spec.devices_per_host) == (2, 8)
+    assert spec.device.memory_bytes == 80 * 2**30
+    assert spec.intra_host == alpa_mini.ClusterSpec.named("dgx-a100").intra_host
+    info[1]["devices"].pop()
+    with pytest.raises(ConfigError, match="uneven devices per process"):
+        describe_workers(info)
+
+
+def test_gpu_nodes_are_counted_from_ray_node_records():
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0}},
+        {"Alive": True, "Resources": {"CPU": 8.0}},  # a CPU-only head
+        {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}},  # a dead node
+        {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 4.0}},
+    ]
+    assert gpu_node_counts(nodes) == [8, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cluster": "local", "address": "auto"}, "only used with cluster='ray'"),
+        ({"cluster": "cpu-1x8", "num_hosts": 2}, "only used with cluster='ray'"),
+        ({"cluster": "ray", "address": " "}, "address"),
+    ],
+)
+def test_bad_ray_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        alpa_mini.init(**kwargs)
