@@ -184,7 +184,7 @@ def test_a_description_larger_than_the_devices_is_refused(restore_state) -> None
     assert not is_initialized()
 
 
-@pytest.mark.parametrize("value", ["ray", "nope", 42, None])
+@pytest.mark.parametrize("value", ["nope", "Ray", 42, None])
 def test_unsupported_cluster_values_list_the_valid_ones(restore_state, value: object) -> None:
     with pytest.raises(ConfigError) as err:
         init(value)  # type: ignore[arg-type]
