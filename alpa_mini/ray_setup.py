@@ -24,13 +24,25 @@ from typing import Any
 
 from .cluster import ClusterSpec, ConfigError
 
-__all__ = ["RaySession", "start_ray_session"]
+__all__ = ["RaySession", "WorkerFailedError", "start_ray_session"]
 
 #: Simulated hosts and CPU devices per host in the CPU test mode, unless given.
 DEFAULT_CPU_HOSTS = 2
 DEFAULT_CPU_DEVICES_PER_HOST = 4
 #: Seconds to wait for the workers to start and report their devices.
 START_TIMEOUT = 120.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A host worker died or stopped answering; ``host`` is its index in the cluster."""
+
+    def __init__(self, host: int, info: dict[str, Any], reason: str) -> None:
+        self.host = host
+        where = f"node {info['node_ip']}, pid {info['pid']}" if info else "unknown node"
+        super().__init__(
+            f"worker of host {host} ({where}) failed: {reason}; call alpa_mini.shutdown() "
+            "and alpa_mini.init(cluster='ray', ...) again"
+        )
 
 
 @dataclass
@@ -43,6 +55,22 @@ class RaySession:
     started_ray: bool
     temp_dir: str | None
     worker_info: list[dict[str, Any]] = field(default_factory=list)
+
+    def check_workers(self, timeout: float = 10.0) -> None:
+        """Ping every worker; a dead or unresponsive one raises ``WorkerFailedError`` naming
+        its host (within ``timeout`` seconds, never a hang)."""
+        import ray
+
+        refs = [w.ping.remote() for w in self.workers]
+        for host, ref in enumerate(refs):
+            where = self.worker_info[host] if host < len(self.worker_info) else {}
+            try:
+                ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerFailedError(host, where, f"no answer within {timeout:g} s") from None
+            except ray.exceptions.RayActorError as err:
+                reason = f"the actor died ({type(err).__name__})"
+                raise WorkerFailedError(host, where, reason) from None
 
     def close(self) -> None:
         """Kill our actors, remove our placement group, stop Ray if we started it."""

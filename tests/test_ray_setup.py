@@ -31,7 +31,7 @@ def _gone(pids: list[int], timeout: float = 20.0) -> bool:
 
 
 @pytest.mark.slow
-def test_cpu_mode_one_worker_per_simulated_host_and_clean_shutdown():
+def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
     import ray
 
     alpa_mini.shutdown()
@@ -53,6 +53,14 @@ def test_cpu_mode_one_worker_per_simulated_host_and_clean_shutdown():
         step = alpa_mini.parallelize(lambda p, b: p, method=alpa_mini.ShardParallel())
         with pytest.raises(RuntimeError, match="do not execute steps yet"):
             step(1.0, 2.0)
+
+        # Fault injection: a killed worker is reported by host, promptly, not as a hang.
+        session.check_workers()
+        ray.kill(session.workers[1], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(alpa_mini.WorkerFailedError, match="worker of host 1") as err:
+            session.check_workers(timeout=10.0)
+        assert err.value.host == 1 and time.monotonic() - t0 < 30.0
 
         alpa_mini.shutdown()
         assert not ray.is_initialized()
