@@ -100,13 +100,14 @@ class ParallelizedFunction:
     def get_executable(self, *args: Any) -> Executable:
         """Plan (or fetch the cached plan) for arguments shaped like ``args``."""
         cluster = device_setup.current_cluster()
-        if device_setup.ray_session() is not None:
+        session = device_setup.ray_session()
+        if session is not None and not isinstance(self.method, PipeshardParallel):
             name = getattr(self.fun, "__name__", "step")
             raise RuntimeError(
-                f"{name}: the cluster comes from init(cluster='ray'), whose workers "
-                "do not execute steps yet (the Ray runtime is in progress); plan without "
-                "running with alpa_mini.pipeshard_executable.plan_pipeshard(...), or run "
-                "locally after alpa_mini.init(cluster='local', num_cpu_devices=...)"
+                f"{name}: on init(cluster='ray') the workers run PipeshardParallel steps; "
+                f"{type(self.method).__name__} runs locally: use "
+                "PipeshardParallel(stage_option=UniformStageOption(1, ...)) for one sharded "
+                "stage, or alpa_mini.init(cluster='local', num_cpu_devices=...)"
             )
         dynamic, static = self._split_static(args)
         flat, in_tree = jax.tree.flatten(dynamic)
@@ -159,6 +160,13 @@ class ParallelizedFunction:
         t0 = time.perf_counter()
         method = self.method
         roles, owner = self._roles(dynamic)
+        session = device_setup.ray_session()
+        if isinstance(method, PipeshardParallel) and session is not None:
+            from .ray_exec import compile_pipeshard_ray
+
+            return compile_pipeshard_ray(
+                self.fun, avals, roles, in_tree, static, method, cluster, session
+            )
         if isinstance(method, PipeshardParallel):
             from .pipeshard_executable import compile_pipeshard
 

@@ -102,18 +102,7 @@ def compile_pipeshard(
                 f"{plan.num_micro_batches} micro-batches; this step has "
                 f"{len(forward.jaxpr.eqns)} and {B}"
             )
-    lowering = [
-        StageLowering(
-            s.eqn_start,
-            s.eqn_end,
-            tuple(devices[d] for d in s.devices),
-            s.logical_shape,
-            s.in_specs or None,
-            s.out_specs or None,
-            s.inner_specs,
-        )
-        for s in plan.stages
-    ]
+    lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
     schedule = make_schedule(plan.schedule, plan.num_stages, B)
     compiled = compile_pipeline(step, capture, forward, lowering, schedule)
     runtime = LocalRuntime(compiled.programs, compiled.layouts, _add)
@@ -128,6 +117,22 @@ def compile_pipeshard(
         planning_time=time.perf_counter() - t0,
         extra={"schedule": schedule},
     )
+
+
+def stage_lowerings(plan: PipeshardPlan, devices: list[tuple[Any, ...]]) -> list[StageLowering]:
+    """What ``compile_pipeline`` needs of each planned stage, on the given devices."""
+    return [
+        StageLowering(
+            s.eqn_start,
+            s.eqn_end,
+            devs,
+            s.logical_shape,
+            s.in_specs or None,
+            s.out_specs or None,
+            s.inner_specs,
+        )
+        for s, devs in zip(plan.stages, devices, strict=True)
+    ]
 
 
 def _nbytes(a: Any) -> float:

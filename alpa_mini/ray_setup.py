@@ -16,7 +16,9 @@ describe what the workers see as a ``ClusterSpec``.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -172,12 +174,20 @@ def _place_workers(
             "num_cpus": 1,
             "num_gpus": bundle.get("GPU", 0),
             "max_restarts": 0,
+            "max_concurrency": 4,  # deliver() must run while run_step() waits in a Recv
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
             ),
         }
+        env: dict[str, str] = {}
         if cpu_devices is not None:
-            options["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+            env["JAX_PLATFORMS"] = "cpu"
+        if started:
+            # An embedded Ray runs on this machine: let the workers import what the driver
+            # can (a script's or a test's own modules hold the step functions they run).
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         workers.append(actor.options(**options).remote(host, cpu_devices))
     try:
         info = ray.get([w.info.remote() for w in workers], timeout=START_TIMEOUT)
@@ -187,6 +197,7 @@ def _place_workers(
             ray.kill(w, no_restart=True)
         ray.util.remove_placement_group(pg)
         raise
+    ray.get([w.set_peers.remote(workers) for w in workers])
     return RaySession(cluster, workers, pg, started, temp_dir, info)
 
 

@@ -9,13 +9,15 @@ devices). The stream is fixed per executable and replayed every step, in order:
 - ``Accumulate``: ``dst += src`` (or ``dst = src`` the first time); gradients over
   micro-batches, cotangents from several consumers.
 - ``Free``: drop buffers no later instruction reads.
+- ``Send``/``Recv`` (Ray runtime only): a buffer crossing from one host worker to another
+  through Ray's object store; the ``Put`` that follows lays it out on the receiving mesh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Accumulate", "Free", "Instruction", "Put", "Run", "format_stream"]
+__all__ = ["Accumulate", "Free", "Instruction", "Put", "Recv", "Run", "Send", "format_stream"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,27 @@ class Free:
     mesh: int
 
 
-Instruction = Put | Run | Accumulate | Free
+@dataclass(frozen=True)
+class Send:
+    """Ray runtime: hand buffer ``src`` to host worker ``to`` under ``tag``."""
+
+    src: str
+    to: int
+    tag: str
+    mesh: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Ray runtime: wait for ``tag`` from host worker ``frm`` and name it ``dst``."""
+
+    tag: str
+    frm: int
+    dst: str
+    mesh: int
+
+
+Instruction = Put | Run | Accumulate | Free | Send | Recv
 
 
 def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
@@ -65,6 +87,10 @@ def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
         elif isinstance(ins, Accumulate):
             op = "=" if ins.first else "+="
             lines.append(f"mesh{ins.mesh}  ACC   {ins.dst} {op} {ins.src}")
+        elif isinstance(ins, Send):
+            lines.append(f"mesh{ins.mesh}  SEND  {ins.src} -> host{ins.to} [{ins.tag}]")
+        elif isinstance(ins, Recv):
+            lines.append(f"mesh{ins.mesh}  RECV  host{ins.frm} [{ins.tag}] -> {ins.dst}")
         else:
             lines.append(f"mesh{ins.mesh}  FREE  {', '.join(ins.names)}")
     if limit is not None and len(stream) > limit:

@@ -45,14 +45,14 @@ class LocalRuntime:
         """
         for index, ins in enumerate(stream):
             start = time.perf_counter() if timeline is not None else 0.0
-            self._one(ins, buffers)
+            self.execute_one(ins, buffers)
             if timeline is not None:
                 jax.block_until_ready([buffers[n] for n in _written(ins) if n in buffers])
                 end = time.perf_counter()
                 timeline.append(InstructionTiming(index, ins, start, end))
         return buffers
 
-    def _one(self, ins: Instruction, buffers: dict[str, Any]) -> None:
+    def execute_one(self, ins: Instruction, buffers: dict[str, Any]) -> None:
         """Interpret one instruction against ``buffers``."""
         if isinstance(ins, Run):
             outs = self.programs[ins.program](*(buffers[n] for n in ins.inputs))

@@ -3,15 +3,28 @@
 One ``HostWorker`` runs per (simulated) host. In the CPU test mode it gives its own process
 ``num_cpu_devices`` JAX CPU devices before JAX starts there; on a GPU node it sees the GPUs
 Ray assigned to it. It reports its devices so that the driver can describe the cluster.
-Later steps compile and run stage programs here; this module never imports the planner.
+The driver sends a builder that compiles this host's stages here (the planner stays on the
+driver side: this module never imports it), then one ``run_step`` call per step; buffers
+cross hosts by ``Send`` (a remote ``deliver`` call on the peer, through Ray's object store)
+and ``Recv`` (wait in the mailbox), never through the driver. The actor is threaded, so that
+``deliver`` runs while ``run_step`` waits.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+from .instructions import Recv, Send
+from .local import LocalRuntime
+
 __all__ = ["HostWorker"]
+
+#: Seconds a ``Recv`` waits for its peer before the step fails (a dead peer, not a hang).
+RECV_TIMEOUT = 30.0
 
 
 class HostWorker:
@@ -26,6 +39,10 @@ class HostWorker:
             jax.config.update("jax_num_cpu_devices", num_cpu_devices)
         self.host = host
         self.devices = jax.local_devices()
+        self._executables: list[tuple[LocalRuntime, list[Any], list[str]]] = []
+        self._peers: list[Any] = []
+        self._mailbox: dict[tuple[int, str], Any] = {}
+        self._arrived = threading.Condition()
 
     def info(self) -> dict[str, Any]:
         """This host's index, process, node address and devices (kind, memory limit)."""
@@ -55,3 +72,57 @@ class HostWorker:
 
     def ping(self) -> int:
         return self.host
+
+    # ------------------------------------------------------------------ execution
+    def build(self, builder: Callable[..., Any]) -> dict[str, Any]:
+        """Compile this host's part of a pipelined step: ``builder(host, devices)`` returns
+        (programs, layouts, add, stream, needs, holds, meta). Returns the executable's
+        ``key`` here, the step inputs this host reads, the outputs it ends up holding, and
+        the builder's ``meta``."""
+        programs, layouts, add, stream, needs, holds, meta = builder(self.host, self.devices)
+        key = len(self._executables)
+        self._executables.append((LocalRuntime(programs, layouts, add), stream, holds))
+        return {"key": key, "needs": needs, "holds": holds, "meta": meta}
+
+    def set_peers(self, peers: list[Any]) -> None:
+        """Handles of every host worker, indexed by host (for ``Send``)."""
+        self._peers = peers
+
+    def deliver(self, step: int, tag: str, value: Any) -> None:
+        """Called by a peer's ``Send``: park ``value`` until this host's ``Recv`` takes it."""
+        with self._arrived:
+            self._mailbox[(step, tag)] = value
+            self._arrived.notify_all()
+
+    def run_step(self, key: int, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run this host's stream of executable ``key`` for one step; return the step
+        outputs this host holds, as numpy arrays."""
+        import jax
+        import numpy as np
+
+        runtime, stream, holds = self._executables[key]
+        buffers: dict[str, Any] = dict(inputs)
+        for ins in stream:
+            if isinstance(ins, Send):
+                value = np.asarray(buffers[ins.src])
+                self._peers[ins.to].deliver.remote(step, ins.tag, value)
+            elif isinstance(ins, Recv):
+                buffers[ins.dst] = self._take(step, ins)
+            else:
+                runtime.execute_one(ins, buffers)
+        outs = {name: buffers[name] for name in holds}
+        jax.block_until_ready(list(outs.values()))
+        return {name: np.asarray(v) for name, v in outs.items()}
+
+    def _take(self, step: int, ins: Recv) -> Any:
+        deadline = time.monotonic() + RECV_TIMEOUT
+        with self._arrived:
+            while (step, ins.tag) not in self._mailbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"host {self.host}: nothing from host {ins.frm} for {ins.tag!r} within "
+                        f"{RECV_TIMEOUT:.0f} s (is that worker alive?)"
+                    )
+                self._arrived.wait(left)
+            return self._mailbox.pop((step, ins.tag))

@@ -54,9 +54,9 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         assert len(set(pids)) == 2 and os.getpid() not in pids
         assert ray.get([w.ping.remote() for w in session.workers]) == [0, 1]
         assert alpa_mini.current_cluster() == spec
-        # Until the Ray runtime executes steps, running one says so instead of failing deep.
+        # ShardParallel steps run locally: on a Ray cluster that is a clear error.
         step = alpa_mini.parallelize(lambda p, b: p, method=alpa_mini.ShardParallel())
-        with pytest.raises(RuntimeError, match="do not execute steps yet"):
+        with pytest.raises(RuntimeError, match="the workers run PipeshardParallel steps"):
             step(1.0, 2.0)
 
         # Fault injection: a killed worker is reported by host, promptly, not as a hang.
