@@ -163,6 +163,7 @@ class RayPipeshardExecutable:
     out_tree: Any
     static_argnums: tuple[int, ...]
     planning_time: float
+    last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
     _steps: Any = field(default_factory=itertools.count)
 
     def __call__(self, *args: Any) -> Any:
@@ -177,10 +178,12 @@ class RayPipeshardExecutable:
             )
         step = next(self._steps)
         workers = self.session.workers
+        t0 = time.perf_counter()
         refs = [
             w.run_step.remote(key, step, {n: np.asarray(flat[int(n[3:])]) for n in need})
             for w, key, need in zip(workers, self.keys, self.needs, strict=True)
         ]
+        self.last_dispatch_seconds = time.perf_counter() - t0
         held: dict[str, Any] = {}
         host_of = {ref: host for host, ref in enumerate(refs)}
         pending, deadline = list(refs), time.monotonic() + STEP_TIMEOUT

@@ -4,6 +4,7 @@ and the local runtime's overhead.
     python -m benchmarks.pipeshard                 # all three tables, BENCHMARKS.md updated
     python -m benchmarks.pipeshard --sections planning --no-write
 
+*ray*: the same step on two Ray host workers against the local runtime.
 *planning*: ``alpa-mini plan`` of Alpa's GPT suite (and GPT-3 175B) from abstract shapes on
 A100 clusters, each in a fresh process (no warm caches), with ILPs solved versus cost-table
 entries. *profiling*: on small models, every stage cost of the DP table from per-layer ILPs
@@ -354,6 +355,68 @@ def runtime_child(steps: int) -> dict[str, Any]:
     }
 
 
+def ray_child(steps: int) -> dict[str, Any]:
+    """The runtime benchmark's step on Ray: two host workers x 4 CPU devices, one stage each;
+    step wall time and the driver's dispatch time per step."""
+    import dataclasses
+
+    import alpa_mini
+
+    alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+    try:
+        import jax
+
+        from alpa_mini.model_specs import ModelSpec
+        from alpa_mini.models import adam, init_gpt, make_gpt_batch, make_train_step
+
+        spec = ModelSpec.named("gpt-small")
+        config = dataclasses.replace(spec.config, pipeline_marks=True)
+        spec = dataclasses.replace(spec, config=config)
+        opt = adam(1e-4)
+        params = init_gpt(config, jax.random.PRNGKey(0))
+        state = opt.init(params)
+        batch = make_gpt_batch(config, jax.random.PRNGKey(1), spec.batch_size)
+        method = alpa_mini.PipeshardParallel(
+            num_micro_batches=8,
+            layer_option=alpa_mini.ManualLayerOption(),
+            stage_option=alpa_mini.UniformStageOption(num_stages=2, submesh_shape=(1, 4)),
+        )
+        train_step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
+        step = alpa_mini.parallelize(train_step, method=method)
+        ex = step.get_executable(params, state, batch)
+        p, s = params, state
+        for _ in range(2):  # compile and warm up
+            p, s, _ = ex(p, s, batch)
+        times, dispatch = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            p, s, _ = ex(p, s, batch)
+            times.append(time.perf_counter() - t0)
+            dispatch.append(ex.last_dispatch_seconds)
+        return {"step": times, "dispatch": dispatch}
+    finally:
+        alpa_mini.shutdown()
+
+
+def ray_table(r: dict[str, Any], local: dict[str, Any]) -> str:
+    med = statistics.median
+    ratio = med(r["step"]) / med(local["pipelined"])
+    ok = "yes" if ratio <= 1.5 else "**no**"
+    return (
+        "### Ray runtime vs the local runtime\n\n"
+        "The same 2-stage, 8-micro-batch GPT-small plan as above, on two Ray host workers "
+        "(embedded Ray, 4 CPU devices each, one stage per worker; activations pass worker to "
+        "worker through the object store), against the local runtime in one process. *Step* "
+        "includes sending the inputs and fetching the outputs (parameters and optimiser state "
+        "travel to the driver every step for now). *Dispatch* is the driver issuing the "
+        f"step's calls. Medians of {len(r['step'])} steps.\n\n"
+        "| Ray step ms | local step ms | Ray / local | ≤ 1.5 | driver dispatch ms |\n"
+        "|---:|---:|---:|:---|---:|\n"
+        f"| {med(r['step']) * 1e3:.1f} | {med(local['pipelined']) * 1e3:.1f} | {ratio:.2f} | "
+        f"{ok} | {med(r['dispatch']) * 1e3:.2f} |\n"
+    )
+
+
 def runtime_table(r: dict[str, Any]) -> str:
     med = statistics.median
     ratios = [a / b for a, b in zip(r["pipelined"], r["run_sum"], strict=True)]
@@ -389,6 +452,22 @@ def runtime_table(r: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def _child(flag: str, steps: int) -> dict[str, Any]:
+    """Run this module with ``flag`` in a fresh process (its own JAX devices); its result."""
+    proc = subprocess.run(
+        [_python(), "-m", "benchmarks.pipeshard", flag, f"--steps={steps}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{flag} child failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
 def _machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     import jax
@@ -402,14 +481,18 @@ def _machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="planning,profiling,runtime")
+    parser.add_argument("--sections", default="planning,profiling,runtime,ray")
     parser.add_argument("--cluster", default="dgx-a100", help="cluster the GPT suite plans for")
     parser.add_argument("--steps", type=int, default=10, help="runtime: timed step pairs")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--runtime-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ray-child", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.runtime_child:
         print("RESULT " + json.dumps(runtime_child(opts.steps)))
+        return 0
+    if opts.ray_child:
+        print("RESULT " + json.dumps(ray_child(opts.steps)))
         return 0
     sections = set(opts.sections.split(","))
     command = " ".join(["python -m benchmarks.pipeshard", *(argv or sys.argv[1:])])
@@ -419,35 +502,33 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(planning_table(planning_rows(opts.cluster), opts.cluster))
     if "profiling" in sections:
         parts.append(profiling_table(profiling_rows()))
-    if "runtime" in sections:
-        proc = subprocess.run(
-            [
-                _python(),
-                "-m",
-                "benchmarks.pipeshard",
-                "--runtime-child",
-                "--steps",
-                str(opts.steps),
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=1800,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        )
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"runtime child failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-        parts.append(runtime_table(json.loads(line[len("RESULT ") :])))
+    ray_text = None
+    if "runtime" in sections or "ray" in sections:
+        local = _child("--runtime-child", opts.steps)
+        if "runtime" in sections:
+            parts.append(runtime_table(local))
+        if "ray" in sections:
+            ray_text = (
+                "## Ray runtime: step time against the local runtime\n\n"
+                f"Command: `{command}` ({datetime.date.today().isoformat()}). {_machine()}\n\n"
+                + ray_table(_child("--ray-child", opts.steps), local).split("\n", 2)[2]
+            )
     header = (
         "## PipeshardParallel: planning time, individual vs whole profiling, runtime overhead\n\n"
         f"Command: `{command}` ({datetime.date.today().isoformat()}). {_machine()} "
         f"Wall time of this run: {time.perf_counter() - t0:.0f} s.\n"
     )
-    text = header + "\n" + "\n".join(parts)
-    print(text)
-    if not opts.no_write:
+    text = header + "\n" + "\n".join(parts) if parts else ""
+    print(text + "\n" + (ray_text or ""))
+    if opts.no_write:
+        return 0
+    # Each section is replaced whole: write the pipeshard one only from a complete run.
+    if {"planning", "profiling", "runtime"} <= sections:
         update_section("pipeshard", text)
+    elif parts:
+        print("(the pipeshard section needs planning,profiling,runtime together: not written)")
+    if ray_text is not None:
+        update_section("ray-runtime", ray_text)
     return 0
 
 

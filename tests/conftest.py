@@ -19,3 +19,6 @@ except ImportError:  # the solver tests do not need JAX
 else:
     jax.config.update("jax_num_cpu_devices", NUM_TEST_DEVICES)
     jax.config.update("jax_enable_x64", False)
+
+
+from ray_heads import ray_head  # noqa: E402, F401  (a fixture for the Ray tests)

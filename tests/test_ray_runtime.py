@@ -128,3 +128,27 @@ def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
         assert time.monotonic() - t0 < 30.0
     finally:
         alpa_mini.shutdown()
+
+
+def test_ray_job_submit_runs_the_example(ray_head):
+    """`ray job submit` of examples/train_gpt.py to a head of our own: the job succeeds and
+    its loss decreases."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, dashboard, _ = ray_head
+    root = Path(__file__).resolve().parents[1]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    out = subprocess.run(
+        [ray_cli, "job", "submit", "--address", dashboard, "--working-dir", str(root / "examples"),
+         "--", sys.executable, "train_gpt.py", "--cluster", "ray", "--address", "auto",
+         "--steps", "3"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "succeeded" in out.stdout + out.stderr
+    steps = [line.split() for line in out.stdout.splitlines() if line.startswith("step ")]
+    losses = [float(words[3]) for words in steps]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "loss decreased" in out.stdout

@@ -3,36 +3,15 @@ the cluster described from the workers' devices, and ``shutdown`` leaving nothin
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 
 import pytest
+from ray_heads import alive, gone
 
 import alpa_mini
 from alpa_mini import ConfigError
 from alpa_mini.ray_setup import describe_workers, gpu_node_counts
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _gone(pids: list[int], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.mark.slow
@@ -70,7 +49,7 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         alpa_mini.shutdown()
         assert not ray.is_initialized()
         assert alpa_mini.ray_session() is None and not alpa_mini.is_initialized()
-        assert _gone(pids), "a worker process outlived shutdown()"
+        assert gone(pids), "a worker process outlived shutdown()"
 
         # The same process can connect again, with another layout.
         again = alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
@@ -78,7 +57,7 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         pids = [w["pid"] for w in alpa_mini.ray_session().worker_info]
     finally:
         alpa_mini.shutdown()
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_workers_on_gpu_nodes_describe_a_gpu_cluster():
@@ -129,72 +108,16 @@ def test_bad_ray_arguments_name_the_field(kwargs, match):
         alpa_mini.init(**kwargs)
 
 
-def _descendants(roots: set[int]) -> set[int]:
-    """``roots`` and every process below them (from ``ps``)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        pid, ppid = (int(x) for x in line.split())
-        children.setdefault(ppid, []).append(pid)
-    found, todo = set(), list(roots)
-    while todo:
-        p = todo.pop()
-        if p not in found:
-            found.add(p)
-            todo.extend(children.get(p, []))
-    return found
-
-
-def _ours(temp_dir: str) -> set[int]:
-    """Processes of the head started with ``temp_dir`` (their command lines name it)."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return {int(line.split(None, 1)[0]) for line in out.splitlines() if temp_dir in line}
-
-
-@pytest.fixture
-def ray_head(tmp_path, monkeypatch):
-    """A Ray head of our own (``ray start --head``), stopped by pid afterwards: only the
-    processes it started, never anyone else's Ray."""
-    import socket
-    import sys
-    from pathlib import Path
-
-    temp_dir = tempfile.mkdtemp(prefix="alpa-mini-head-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    subprocess.run(
-        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=3", f"--temp-dir={temp_dir}",
-         "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    # `ray start` heads use token authentication in Ray 2.60; the driver must say so.
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    pids = _descendants(_ours(temp_dir))
-    assert pids, "could not find the head's processes by their temp dir"
-    try:
-        yield f"127.0.0.1:{port}", pids
-    finally:
-        alpa_mini.shutdown()
-        pids = _descendants(pids | _ours(temp_dir))
-        for p in sorted(pids, reverse=True):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-        assert _gone(list(pids))
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 @pytest.mark.slow
 def test_connecting_to_a_running_head_leaves_it_running(ray_head):
     import ray
 
-    address, head_pids = ray_head
+    address, _, head_pids = ray_head
     alpa_mini.shutdown()
     spec = alpa_mini.init(cluster="ray", address=address, num_hosts=2, num_cpu_devices=2)
     assert (spec.num_hosts, spec.devices_per_host) == (2, 2)
     workers = [w["pid"] for w in alpa_mini.ray_session().worker_info]
     alpa_mini.shutdown()
     assert not ray.is_initialized()
-    assert _gone(workers)  # our actors are gone ...
-    assert all(_alive(p) for p in head_pids)  # ... the head we only connected to is not
+    assert gone(workers)  # our actors are gone ...
+    assert all(alive(p) for p in head_pids)  # ... the head we only connected to is not
