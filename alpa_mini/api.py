@@ -290,6 +290,8 @@ def _submesh(cluster, num: int) -> tuple[int, int]:
 def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
+    if type(x).__name__ == "RemoteArray":  # a Ray step's output: shape known, data remote
+        return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype))
     if isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
         arr = x if hasattr(x, "dtype") else np.asarray(x)
         dtype = jax.dtypes.canonicalize_dtype(arr.dtype)

@@ -8,8 +8,9 @@ lives on another host becomes ``Send`` there and ``Recv`` + ``Put`` here. One ``
 call per worker per step carries the step inputs that worker reads; each returns the step
 outputs it holds.
 
-Not yet (issue 5 continues): stage meshes spanning hosts (``jax.distributed`` groups),
-outputs kept resident on the workers between steps (they come back as numpy arrays).
+Outputs stay on the worker that computed them (``RemoteArray`` handles that fetch lazily);
+fed back into the next step they are used in place, so parameters and optimiser state do
+not travel. Not yet (issue 5 continues): stage meshes spanning hosts (``jax.distributed``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ from .pipeshard_method import PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
 from .runtime.instructions import Accumulate, Free, Instruction, Put, Recv, Run, Send
+from .runtime.ray_worker import Resident
 
-__all__ = ["RayPipeshardExecutable", "WorkerBuilder", "compile_pipeshard_ray", "split_stream"]
+__all__ = [
+    "RayPipeshardExecutable",
+    "RemoteArray",
+    "WorkerBuilder",
+    "compile_pipeshard_ray",
+    "split_stream",
+]
 
 #: Seconds one step may take before the driver reports the workers that did not answer.
 STEP_TIMEOUT = 300.0
@@ -180,8 +188,8 @@ class RayPipeshardExecutable:
         workers = self.session.workers
         t0 = time.perf_counter()
         refs = [
-            w.run_step.remote(key, step, {n: np.asarray(flat[int(n[3:])]) for n in need})
-            for w, key, need in zip(workers, self.keys, self.needs, strict=True)
+            w.run_step.remote(key, step, {n: self._input(flat[int(n[3:])], host) for n in need})
+            for host, (w, key, need) in enumerate(zip(workers, self.keys, self.needs, strict=True))
         ]
         self.last_dispatch_seconds = time.perf_counter() - t0
         held: dict[str, Any] = {}
@@ -198,7 +206,8 @@ class RayPipeshardExecutable:
             for ref in done:
                 host = host_of[ref]
                 try:
-                    held.update(ray.get(ref))
+                    for name, (rkey, shape, dtype) in ray.get(ref).items():
+                        held[name] = RemoteArray(self.session, host, rkey, shape, dtype)
                 except ray.exceptions.RayActorError as err:
                     info = self.session.worker_info[host]
                     raise WorkerFailedError(host, info, f"during step {step}: {err}") from None
@@ -214,6 +223,58 @@ class RayPipeshardExecutable:
             else:  # an input handed back unchanged
                 outs.append(flat[int(name[3:])])
         return jax.tree.unflatten(self.out_tree, outs)
+
+    def _input(self, leaf: Any, host: int) -> Any:
+        """What a worker gets for a step input: a reference to its own resident copy when
+        ``leaf`` is one, else the array (through the object store)."""
+        if isinstance(leaf, RemoteArray) and leaf.session is self.session and leaf.host == host:
+            return Resident(leaf.key)
+        return np.asarray(leaf)
+
+
+class RemoteArray:
+    """A step output that stays on the host worker that computed it. ``np.asarray(x)``
+    fetches it (once); passed back into a step on the same worker it is used in place, so
+    parameters and optimiser state stay on their workers between steps."""
+
+    def __init__(self, session: RaySession, host: int, key: str, shape, dtype) -> None:
+        self.session, self.host, self.key = session, host, key
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self._value: np.ndarray | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def block_until_ready(self) -> RemoteArray:
+        return self  # it exists once its step has finished on the worker
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._value is None:
+            import ray
+
+            if not self.session.workers:
+                raise RuntimeError(
+                    f"this value lived on Ray host worker {self.host}, which alpa_mini."
+                    "shutdown() removed; fetch outputs (np.asarray) before shutting down"
+                )
+            self._value = ray.get(self.session.workers[self.host].fetch.remote(self.key))
+        return self._value if dtype is None else self._value.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(np.asarray(self))
+
+    def __repr__(self) -> str:
+        return f"RemoteArray(host={self.host}, shape={self.shape}, dtype={self.dtype})"
+
+    def __del__(self) -> None:
+        # Best effort (no module globals: this may run at interpreter exit): free the copy.
+        try:
+            workers = self.session.workers
+            if workers:
+                workers[self.host].release.remote([self.key])
+        except Exception:  # the worker or Ray may be gone already
+            pass
 
 
 def compile_pipeshard_ray(

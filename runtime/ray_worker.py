@@ -16,15 +16,23 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .instructions import Recv, Send
 from .local import LocalRuntime
 
-__all__ = ["HostWorker"]
+__all__ = ["HostWorker", "Resident"]
 
 #: Seconds a ``Recv`` waits for its peer before the step fails (a dead peer, not a hang).
 RECV_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A step input that already lives on this worker, kept from an earlier step's output."""
+
+    key: str
 
 
 class HostWorker:
@@ -43,6 +51,7 @@ class HostWorker:
         self._peers: list[Any] = []
         self._mailbox: dict[tuple[int, str], Any] = {}
         self._arrived = threading.Condition()
+        self._resident: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
         """This host's index, process, node address and devices (kind, memory limit)."""
@@ -95,13 +104,18 @@ class HostWorker:
             self._arrived.notify_all()
 
     def run_step(self, key: int, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run this host's stream of executable ``key`` for one step; return the step
-        outputs this host holds, as numpy arrays."""
+        """Run this host's stream of executable ``key`` for one step. The step outputs this
+        host holds stay here (resident, in their layouts); returns, per output, the key to
+        ``fetch`` it by, its shape and dtype. An input given as ``Resident(key)`` is such a
+        kept value (the parameters a previous step returned), used without a copy."""
         import jax
         import numpy as np
 
         runtime, stream, holds = self._executables[key]
-        buffers: dict[str, Any] = dict(inputs)
+        buffers: dict[str, Any] = {
+            name: self._resident[v.key] if isinstance(v, Resident) else v
+            for name, v in inputs.items()
+        }
         for ins in stream:
             if isinstance(ins, Send):
                 value = np.asarray(buffers[ins.src])
@@ -112,7 +126,26 @@ class HostWorker:
                 runtime.execute_one(ins, buffers)
         outs = {name: buffers[name] for name in holds}
         jax.block_until_ready(list(outs.values()))
-        return {name: np.asarray(v) for name, v in outs.items()}
+        meta = {}
+        for name, value in outs.items():
+            rkey = f"{key}:{step}:{name}"
+            self._resident[rkey] = value
+            meta[name] = (rkey, tuple(value.shape), str(value.dtype))
+        return meta
+
+    def fetch(self, rkey: str) -> Any:
+        """A resident value as a numpy array."""
+        import numpy as np
+
+        return np.asarray(self._resident[rkey])
+
+    def release(self, rkeys: list[str]) -> None:
+        """Forget resident values nobody holds a handle to any more."""
+        for k in rkeys:
+            self._resident.pop(k, None)
+
+    def num_resident(self) -> int:
+        return len(self._resident)
 
     def _take(self, step: int, ins: Recv) -> Any:
         deadline = time.monotonic() + RECV_TIMEOUT

@@ -35,7 +35,7 @@ def _data():
     return init_gpt(GPT, jax.random.PRNGKey(1)), make_gpt_batch(GPT, jax.random.PRNGKey(2), 8)
 
 
-def _train(method, steps=3):
+def _train(method, steps=3, keep=None):
     params, batch = _data()
     train_step = make_train_step(_loss, OPT, alpa_mini.value_and_grad)
     step = alpa_mini.parallelize(train_step, method=method)
@@ -43,6 +43,8 @@ def _train(method, steps=3):
     for _ in range(steps):
         p, s, loss = step(p, s, batch)
         losses.append(float(loss))
+    if keep is not None:
+        keep.update(p=p, s=s, batch=batch, loss=loss)
     return step, [np.asarray(x) for x in jax.tree.leaves((p, s))], losses
 
 
@@ -75,10 +77,31 @@ def ray_results():
     results = {}
     try:
         alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+        from alpa_mini.ray_exec import RemoteArray
+        from alpa_mini.runtime.ray_worker import Resident
+
         for name, method in METHODS.items():
-            step, leaves, losses = _train(method)
-            ex = step.get_executable(*_args())
-            results[name] = {"ray": (leaves, losses), "plan": ex.plan}
+            kept: dict = {}
+            step, leaves, losses = _train(method, keep=kept)
+            ex = step.get_executable(kept["p"], kept["s"], kept["batch"])
+            state = jax.tree.leaves((kept["p"], kept["s"]))
+            flat = jax.tree.leaves((kept["p"], kept["s"], kept["batch"]))
+            # Parameters and optimiser state stay on their workers: a worker reading one
+            # that lives there gets a reference to its own copy; data is sent only to a
+            # worker where it does not live (a tied embedding read by the last stage).
+            sent = [
+                (flat[int(n[3:])].host == h, isinstance(ex._input(flat[int(n[3:])], h), Resident))
+                for h, need in enumerate(ex.needs)
+                for n in need
+                if int(n[3:]) < len(state)
+            ]
+            results[name] = {
+                "ray": (leaves, losses),
+                "plan": ex.plan,
+                "handles": all(isinstance(x, RemoteArray) for x in [*state, kept["loss"]]),
+                "resident": sum(ref for _, ref in sent) > len(sent) // 2
+                and all(here == ref for here, ref in sent),
+            }
     finally:
         alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
@@ -108,6 +131,7 @@ def test_ray_steps_equal_serial_jax_and_the_local_runtime(ray_results, name):
     # The stages really sit on both simulated hosts, so activations crossed between workers.
     hosts = {d // 4 for s in r["plan"].stages for d in s.devices}
     assert hosts == {0, 1}
+    assert r["handles"] and r["resident"]
 
 
 def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
