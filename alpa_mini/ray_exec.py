@@ -187,8 +187,14 @@ class RayPipeshardExecutable:
         step = next(self._steps)
         workers = self.session.workers
         t0 = time.perf_counter()
+        garbage, self.session.garbage[:] = list(self.session.garbage), []
         refs = [
-            w.run_step.remote(key, step, {n: self._input(flat[int(n[3:])], host) for n in need})
+            w.run_step.remote(
+                key,
+                step,
+                {n: self._input(flat[int(n[3:])], host) for n in need},
+                [k for h, k in garbage if h == host],
+            )
             for host, (w, key, need) in enumerate(zip(workers, self.keys, self.needs, strict=True))
         ]
         self.last_dispatch_seconds = time.perf_counter() - t0
@@ -268,13 +274,9 @@ class RemoteArray:
         return f"RemoteArray(host={self.host}, shape={self.shape}, dtype={self.dtype})"
 
     def __del__(self) -> None:
-        # Best effort (no module globals: this may run at interpreter exit): free the copy.
-        try:
-            workers = self.session.workers
-            if workers:
-                workers[self.host].release.remote([self.key])
-        except Exception:  # the worker or Ray may be gone already
-            pass
+        # Queue the worker's copy for release with the next step's call (one remote call
+        # per step, not one per dropped handle). No module globals: may run at exit.
+        self.session.garbage.append((self.host, self.key))
 
 
 def compile_pipeshard_ray(

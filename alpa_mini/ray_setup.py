@@ -57,6 +57,7 @@ class RaySession:
     started_ray: bool
     temp_dir: str | None
     worker_info: list[dict[str, Any]] = field(default_factory=list)
+    garbage: list[tuple[int, str]] = field(default_factory=list)  # (host, resident key)
 
     def check_workers(self, timeout: float = 10.0) -> None:
         """Ping every worker; a dead or unresponsive one raises ``WorkerFailedError`` naming

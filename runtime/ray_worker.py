@@ -103,14 +103,18 @@ class HostWorker:
             self._mailbox[(step, tag)] = value
             self._arrived.notify_all()
 
-    def run_step(self, key: int, step: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    def run_step(
+        self, key: int, step: int, inputs: dict[str, Any], release: list[str] = ()
+    ) -> dict[str, Any]:
         """Run this host's stream of executable ``key`` for one step. The step outputs this
         host holds stay here (resident, in their layouts); returns, per output, the key to
         ``fetch`` it by, its shape and dtype. An input given as ``Resident(key)`` is such a
-        kept value (the parameters a previous step returned), used without a copy."""
+        kept value (the parameters a previous step returned), used without a copy.
+        ``release`` names resident values whose handles the driver dropped."""
         import jax
         import numpy as np
 
+        self.release(release)
         runtime, stream, holds = self._executables[key]
         buffers: dict[str, Any] = {
             name: self._resident[v.key] if isinstance(v, Resident) else v
