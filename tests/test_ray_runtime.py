@@ -176,3 +176,51 @@ def test_ray_job_submit_runs_the_example(ray_head):
     losses = [float(words[3]) for words in steps]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "loss decreased" in out.stdout
+
+
+def test_killing_a_worker_mid_step_raises_within_30_s():
+    """Steps run back to back while another thread kills one host worker: the step in
+    flight (or the next) raises WorkerFailedError naming that host, well within 30 s; after
+    shutdown() no worker of ours is left and init() works again."""
+    import threading
+
+    import ray
+    from ray_heads import gone
+
+    big = GPTConfig(vocab_size=256, seq_len=64, hidden=128, num_heads=4, num_layers=4,
+                    pipeline_marks=True)  # fmt: skip
+
+    def loss(p, b):
+        return gpt_loss(p, b, big)
+
+    alpa_mini.shutdown()
+    try:
+        alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+        session = alpa_mini.ray_session()
+        pids = [w["pid"] for w in session.worker_info]
+        method = PipeshardParallel(num_micro_batches=8, stage_option=UniformStageOption(2, (1, 4)))
+        train_step = make_train_step(loss, OPT, alpa_mini.value_and_grad)
+        step = alpa_mini.parallelize(train_step, method=method)
+        params = init_gpt(big, jax.random.PRNGKey(0))
+        batch = make_gpt_batch(big, jax.random.PRNGKey(1), 16)
+        p, s, _ = step(params, OPT.init(params), batch)  # compiled, running
+        killed = threading.Event()
+
+        def kill():
+            time.sleep(0.3)
+            ray.kill(session.workers[1], no_restart=True)
+            killed.set()
+
+        threading.Thread(target=kill).start()
+        with pytest.raises(WorkerFailedError, match="worker of host 1") as err:
+            for _ in range(200):
+                p, s, _ = step(p, s, batch)
+        assert killed.is_set() and err.value.host == 1
+    finally:
+        alpa_mini.shutdown()
+    assert gone(pids)
+    again = alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+    try:
+        assert again.num_hosts == 2
+    finally:
+        alpa_mini.shutdown()
