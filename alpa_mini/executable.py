@@ -82,14 +82,7 @@ class Executable:
         )
 
     def __call__(self, *args: Any) -> Any:
-        static = set(self.static_argnums)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-        flat, tree = jax.tree.flatten(dynamic)
-        if tree != self.in_tree:
-            raise TypeError(
-                f"{self.fun_name}: arguments have structure {tree}, but this executable was "
-                f"planned for {self.in_tree}"
-            )
+        flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
         placed = []
         donated, seen = set(self.donated), set()
         for k, (x, sharding) in enumerate(zip(flat, self.input_shardings, strict=True)):
@@ -134,3 +127,18 @@ class Executable:
             f"Executable({self.fun_name}, mesh={self.plan.mesh_shape}, "
             f"predicted={self.plan.predicted_time:.3g}s, planned in {self.planning_time:.2f}s)"
         )
+
+
+def dynamic_leaves(
+    args: tuple[Any, ...], static_argnums: tuple[int, ...], in_tree: Any, fun_name: str
+) -> list[Any]:
+    """The array leaves of a call's non-static arguments, checked against the structure the
+    executable was planned for."""
+    static = set(static_argnums)
+    flat, tree = jax.tree.flatten(tuple(a for i, a in enumerate(args) if i not in static))
+    if tree != in_tree:
+        raise TypeError(
+            f"{fun_name}: arguments have structure {tree}, but this executable was planned "
+            f"for {in_tree}"
+        )
+    return flat

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cluster import ClusterSpec
+from .executable import dynamic_leaves
 from .pipeline_capture import GradCapture, capturing
 from .pipeline_split import flatten_calls
 from .pipeshard_compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
@@ -50,13 +51,7 @@ class PipeshardExecutable:
         return self._run(args, timeline), timeline
 
     def _run(self, args: tuple[Any, ...], timeline: list[InstructionTiming] | None) -> Any:
-        static = set(self.static_argnums)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-        flat, tree = jax.tree.flatten(dynamic)
-        if tree != self.in_tree:
-            raise TypeError(
-                f"{self.fun_name}: arguments have structure {tree}, expected {self.in_tree}"
-            )
+        flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
         buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
         buffers = self.runtime.execute(self.compiled.stream, buffers, timeline)
         outs = [

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from .cluster import ClusterSpec, ConfigError
+from .executable import dynamic_leaves
 from .pipeshard_method import PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
@@ -177,13 +178,7 @@ class RayPipeshardExecutable:
     def __call__(self, *args: Any) -> Any:
         import ray
 
-        static = set(self.static_argnums)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-        flat, tree = jax.tree.flatten(dynamic)
-        if tree != self.in_tree:
-            raise TypeError(
-                f"{self.fun_name}: arguments have structure {tree}, expected {self.in_tree}"
-            )
+        flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
         step = next(self._steps)
         workers = self.session.workers
         t0 = time.perf_counter()

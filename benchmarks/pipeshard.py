@@ -285,19 +285,16 @@ def profiling_table(rows: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------- runtime
 
 
-def runtime_child(steps: int) -> dict[str, Any]:
-    """In a process with 8 CPU devices: the 2-stage, 8-micro-batch GPT-small step timed as
-    the runtime runs it and with every instruction run back to back."""
+def _gpt_small_step() -> tuple[Any, Any, Any, Any]:
+    """The runtime benchmarks' case on the current cluster: GPT-small, Adam, two stages of
+    one host's 4 devices each, 8 micro-batches. Returns (executable, params, state, batch)."""
     import dataclasses
 
-    import alpa_mini
-
-    alpa_mini.init(cluster="cpu-2x4", num_cpu_devices=8)
     import jax
 
+    import alpa_mini
     from alpa_mini.model_specs import ModelSpec
     from alpa_mini.models import adam, init_gpt, make_gpt_batch, make_train_step
-    from alpa_mini.runtime.instructions import Put, Run
 
     spec = ModelSpec.named("gpt-small")
     config = dataclasses.replace(spec.config, pipeline_marks=True)
@@ -306,17 +303,27 @@ def runtime_child(steps: int) -> dict[str, Any]:
     params = init_gpt(config, jax.random.PRNGKey(0))
     state = opt.init(params)
     batch = make_gpt_batch(config, jax.random.PRNGKey(1), spec.batch_size)
-    loss_fn = spec.loss_fn()
-
     method = alpa_mini.PipeshardParallel(
         num_micro_batches=8,
         layer_option=alpa_mini.ManualLayerOption(),
         stage_option=alpa_mini.UniformStageOption(num_stages=2, submesh_shape=(1, 4)),
     )
-    step = alpa_mini.parallelize(
-        make_train_step(loss_fn, opt, alpa_mini.value_and_grad), method=method
-    )
-    ex = step.get_executable(params, state, batch)
+    train_step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
+    step = alpa_mini.parallelize(train_step, method=method)
+    return step.get_executable(params, state, batch), params, state, batch
+
+
+def runtime_child(steps: int) -> dict[str, Any]:
+    """In a process with 8 CPU devices: the 2-stage, 8-micro-batch GPT-small step timed as
+    the runtime runs it and with every instruction run back to back."""
+    import alpa_mini
+
+    alpa_mini.init(cluster="cpu-2x4", num_cpu_devices=8)
+    import jax
+
+    from alpa_mini.runtime.instructions import Put, Run
+
+    ex, params, state, batch = _gpt_small_step()
     p, s = params, state
     for _ in range(2):  # compile and warm up
         p, s, out = ex(p, s, batch)
@@ -358,32 +365,12 @@ def runtime_child(steps: int) -> dict[str, Any]:
 def ray_child(steps: int) -> dict[str, Any]:
     """The runtime benchmark's step on Ray: two host workers x 4 CPU devices, one stage each;
     step wall time and the driver's dispatch time per step."""
-    import dataclasses
 
     import alpa_mini
 
     alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
     try:
-        import jax
-
-        from alpa_mini.model_specs import ModelSpec
-        from alpa_mini.models import adam, init_gpt, make_gpt_batch, make_train_step
-
-        spec = ModelSpec.named("gpt-small")
-        config = dataclasses.replace(spec.config, pipeline_marks=True)
-        spec = dataclasses.replace(spec, config=config)
-        opt = adam(1e-4)
-        params = init_gpt(config, jax.random.PRNGKey(0))
-        state = opt.init(params)
-        batch = make_gpt_batch(config, jax.random.PRNGKey(1), spec.batch_size)
-        method = alpa_mini.PipeshardParallel(
-            num_micro_batches=8,
-            layer_option=alpa_mini.ManualLayerOption(),
-            stage_option=alpa_mini.UniformStageOption(num_stages=2, submesh_shape=(1, 4)),
-        )
-        train_step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
-        step = alpa_mini.parallelize(train_step, method=method)
-        ex = step.get_executable(params, state, batch)
+        ex, params, state, batch = _gpt_small_step()
         p, s = params, state
         for _ in range(2):  # compile and warm up
             p, s, _ = ex(p, s, batch)
