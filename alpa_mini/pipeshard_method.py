@@ -76,7 +76,8 @@ class AutoStageOption:
     memory_budget: bytes per device (None: the cluster's device memory).
     submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
-    host count (many more ILPs on large clusters).
+    host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
+    (what the Ray runtime can run until stage meshes may span hosts).
     """
 
     profiling: str = "individual"
@@ -93,10 +94,10 @@ class AutoStageOption:
             raise ConfigError(
                 f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not 'auto' or '1d'"
             )
-        if self.submesh_space not in ("power_of_two", "all"):
+        if self.submesh_space not in ("power_of_two", "all", "one_host"):
             raise ConfigError(
-                f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two' "
-                "or 'all'"
+                f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two', "
+                "'all' or 'one_host'"
             )
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ConfigError(

@@ -15,6 +15,7 @@ not travel. Not yet (issue 5 continues): stage meshes spanning hosts (``jax.dist
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 
 from .cluster import ClusterSpec, ConfigError
 from .executable import dynamic_leaves
-from .pipeshard_method import PipeshardParallel
+from .pipeshard_method import AutoStageOption, PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
 from .runtime.instructions import Accumulate, Free, Instruction, Put, Recv, Run, Send
@@ -293,6 +294,10 @@ def compile_pipeshard_ray(
     step_fun = StepFun(fun, static, in_tree)
     B = method.num_micro_batches
     _, out_shape, capture, forward = _trace(step_fun, avals, B)
+    if method.plan is None and isinstance(method.stage_option, AutoStageOption):
+        # Stage meshes cannot span host workers yet: search submeshes inside one host.
+        option = dataclasses.replace(method.stage_option, submesh_space="one_host")
+        method = dataclasses.replace(method, stage_option=option)
     plan = method.plan or _plan(forward, capture, avals, roles, method, cluster, t0, None)
     hosts = stage_hosts(plan, cluster.devices_per_host)
     builder = WorkerBuilder(

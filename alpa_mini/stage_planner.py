@@ -603,7 +603,10 @@ def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> 
 
 
 def _allowed_submeshes(shapes, space: str) -> list[bool]:
-    """Which submesh shapes the search uses: all, or those with a power-of-two host count."""
+    """Which submesh shapes the search uses: all, those with a power-of-two host count, or
+    those inside one host."""
+    if space == "one_host":
+        return [h == 1 for h, _ in shapes]
     return [space == "all" or (h & (h - 1)) == 0 for h, _ in shapes]
 
 

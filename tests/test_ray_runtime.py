@@ -11,6 +11,7 @@ import pytest
 
 import alpa_mini
 from alpa_mini import (
+    AutoStageOption,
     ClusterSpec,
     ConfigError,
     PipeshardParallel,
@@ -62,6 +63,7 @@ METHODS = {
     "2 stages, 1F1B": PipeshardParallel(
         num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4), (2, 2))
     ),
+    "auto stages": PipeshardParallel(num_micro_batches=4, stage_option=AutoStageOption()),
     "4 stages, GPipe": PipeshardParallel(
         num_micro_batches=4,
         stage_option=UniformStageOption(4, (1, 2)),
@@ -105,8 +107,8 @@ def ray_results():
     finally:
         alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
-    for name, method in METHODS.items():
-        _, leaves, losses = _train(method)
+    for name in METHODS:  # the very plan Ray ran, replayed by the local runtime
+        _, leaves, losses = _train(PipeshardParallel.from_plan(results[name]["plan"]))
         results[name]["local"] = (leaves, losses)
     return results
 
@@ -131,6 +133,7 @@ def test_ray_steps_equal_serial_jax_and_the_local_runtime(ray_results, name):
     # The stages really sit on both simulated hosts, so activations crossed between workers.
     hosts = {d // 4 for s in r["plan"].stages for d in s.devices}
     assert hosts == {0, 1}
+    assert all(len({d // 4 for d in s.devices}) == 1 for s in r["plan"].stages)
     assert r["handles"] and r["resident"]
 
 
