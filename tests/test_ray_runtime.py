@@ -146,9 +146,12 @@ def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
             _train(wide, steps=1)
 
         import ray
+        from ray_heads import gone
 
         step, _, _ = _train(METHODS["2 stages, 1F1B"], steps=1)
-        ray.kill(alpa_mini.ray_session().workers[1], no_restart=True)
+        session = alpa_mini.ray_session()
+        ray.kill(session.workers[1], no_restart=True)  # asynchronous: wait for the death
+        assert gone([session.worker_info[1]["pid"]])
         t0 = time.monotonic()
         with pytest.raises(WorkerFailedError, match="worker of host 1"):
             step(*_args())

@@ -40,7 +40,8 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
 
         # Fault injection: a killed worker is reported by host, promptly, not as a hang.
         session.check_workers()
-        ray.kill(session.workers[1], no_restart=True)
+        ray.kill(session.workers[1], no_restart=True)  # asynchronous: wait for the death
+        assert gone([info[1]["pid"]])
         t0 = time.monotonic()
         with pytest.raises(alpa_mini.WorkerFailedError, match="worker of host 1") as err:
             session.check_workers(timeout=10.0)
