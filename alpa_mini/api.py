@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -168,11 +169,9 @@ class ParallelizedFunction:
                 self.fun, avals, roles, in_tree, static, method, cluster, session
             )
         if isinstance(method, PipeshardParallel):
-            from .pipeshard_executable import compile_pipeshard
+            from .pipeshard_executable import StepFun, compile_pipeshard
 
-            def step_fun(*leaves: Any) -> Any:
-                return self._call_with(static, jax.tree.unflatten(in_tree, leaves))
-
+            step_fun = StepFun(self.fun, static, in_tree)
             return compile_pipeshard(
                 self.fun, step_fun, avals, roles, in_tree, static, method, cluster, method.plan
             )
@@ -290,7 +289,7 @@ def _submesh(cluster, num: int) -> tuple[int, int]:
 def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    if type(x).__name__ == "RemoteArray":  # a Ray step's output: shape known, data remote
+    if _is_remote(x):  # a Ray step's output: shape known, data on a worker
         return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype))
     if isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
         arr = x if hasattr(x, "dtype") else np.asarray(x)
@@ -300,6 +299,12 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
         f"argument {name or '(top level)'}: {type(x).__name__} is not an array; parallelized "
         "functions take arrays and Python/NumPy numbers (mark other arguments static_argnums)"
     )
+
+
+def _is_remote(x: Any) -> bool:
+    """Whether ``x`` is a ``ray_exec.RemoteArray`` (imported only once Ray is in use)."""
+    module = sys.modules.get("alpa_mini.ray_exec")
+    return module is not None and isinstance(x, module.RemoteArray)
 
 
 def _aliases(dynamic, out_shape, roles: list[str], owner: list[int]) -> list[tuple[int, int]]:

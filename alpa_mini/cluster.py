@@ -328,11 +328,17 @@ _DEFAULT_CLUSTER = "p3.16xlarge"
 
 
 def _bundled_files() -> dict[str, Any]:
-    """Bundled cluster name -> its YAML (an ``importlib.resources`` Traversable or Path)."""
+    """Bundled cluster name -> its YAML."""
+    return bundled_yaml_files(_CONFIG_PACKAGE, _SOURCE_CONFIGS)
+
+
+def bundled_yaml_files(package: str, source_dir: Path) -> dict[str, Any]:
+    """Name -> YAML file (an ``importlib.resources`` Traversable or Path) of a bundled
+    config package, or of its ``configs/`` folder in a source tree never installed."""
     try:
-        root: Any = importlib.resources.files(_CONFIG_PACKAGE)
-    except ModuleNotFoundError:  # running from a source tree that was never installed
-        root = _SOURCE_CONFIGS
+        root: Any = importlib.resources.files(package)
+    except ModuleNotFoundError:
+        root = source_dir
     return {
         entry.name.removesuffix(".yaml"): entry
         for entry in root.iterdir()

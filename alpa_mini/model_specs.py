@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
 import os
 import typing
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any
 import jax
 import yaml
 
-from alpa_mini.cluster import ConfigError
+from alpa_mini.cluster import ConfigError, bundled_yaml_files
 from alpa_mini.models.gpt import (
     GPTConfig,
     gpt_abstract_batch,
@@ -263,16 +262,8 @@ def _build_config(cls: type[GPTConfig] | type[MLPConfig], data: Any) -> GPTConfi
 
 
 def _bundled_files() -> dict[str, Any]:
-    """Bundled model name -> its YAML (an ``importlib.resources`` Traversable or Path)."""
-    try:
-        root: Any = importlib.resources.files(_CONFIG_PACKAGE)
-    except ModuleNotFoundError:  # running from a source tree that was never installed
-        root = _SOURCE_CONFIGS
-    return {
-        entry.name.removesuffix(".yaml"): entry
-        for entry in root.iterdir()
-        if entry.name.endswith(".yaml") and entry.is_file()
-    }
+    """Bundled model name -> its YAML."""
+    return bundled_yaml_files(_CONFIG_PACKAGE, _SOURCE_CONFIGS)
 
 
 def available_models() -> tuple[str, ...]:

@@ -65,6 +65,22 @@ class PipeshardExecutable:
         return format_stream(self.compiled.stream, limit)
 
 
+@dataclass(frozen=True)
+class StepFun:
+    """The user's step over flat array leaves, static arguments put back in their places;
+    picklable, so that Ray workers can trace the same step."""
+
+    fun: Callable[..., Any]
+    static: tuple[tuple[int, Any], ...]
+    in_tree: Any
+
+    def __call__(self, *leaves: Any) -> Any:
+        args: list[Any] = list(jax.tree.unflatten(self.in_tree, leaves))
+        for i, value in self.static:
+            args.insert(i, value)
+        return self.fun(*args)
+
+
 def _add(a: Any, b: Any) -> Any:
     return _ADD(a, b)
 
@@ -151,9 +167,7 @@ def plan_pipeshard(
         role = "batch" if i == len(args) - 1 else "param" if i == 0 else "state"
         roles += [role] * len(jax.tree.leaves(a))
 
-    def step_fun(*leaves: Any) -> Any:
-        return step(*jax.tree.unflatten(in_tree, leaves))
-
+    step_fun = StepFun(step, (), in_tree)
     _, _, capture, forward = _trace(step_fun, avals, method.num_micro_batches)
     return _plan(forward, capture, avals, roles, method, cluster, t0, progress)
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from .cluster import ClusterSpec, ConfigError
 from .executable import dynamic_leaves
+from .pipeshard_executable import StepFun
 from .pipeshard_method import AutoStageOption, PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
@@ -100,21 +101,6 @@ def split_stream(
         else:
             streams[h].append(ins)
     return streams, needs, where
-
-
-@dataclass(frozen=True)
-class StepFun:
-    """The user's step with its static arguments put back: picklable for the workers."""
-
-    fun: Callable[..., Any]
-    static: tuple[tuple[int, Any], ...]
-    in_tree: Any
-
-    def __call__(self, *leaves: Any) -> Any:
-        args: list[Any] = list(jax.tree.unflatten(self.in_tree, leaves))
-        for i, value in self.static:
-            args.insert(i, value)
-        return self.fun(*args)
 
 
 @dataclass(frozen=True)
