@@ -214,8 +214,8 @@ def test_killing_a_worker_mid_step_raises_within_30_s():
 
         def kill():
             time.sleep(0.3)
+            killed.set()  # before the kill: the failing step may return before ray.kill does
             ray.kill(session.workers[1], no_restart=True)
-            killed.set()
 
         threading.Thread(target=kill).start()
         with pytest.raises(WorkerFailedError, match="worker of host 1") as err:
