@@ -41,6 +41,7 @@ def init(
     num_cpu_devices: int | None = None,
     address: str | None = None,
     num_hosts: int | None = None,
+    span_hosts: bool | None = None,
 ) -> ClusterSpec:
     """Set up the local JAX devices and the cluster description; return the ClusterSpec.
 
@@ -58,6 +59,9 @@ def init(
         connects to a running head. Without GPUs this is the CPU test mode: ``num_hosts``
         simulated hosts (default 2), each a Ray actor with ``num_cpu_devices`` CPU devices
         (default 4). The returned ClusterSpec describes the workers' live devices.
+      span_hosts: only with ``cluster="ray"``: join the host workers into one
+        ``jax.distributed`` group so that a stage mesh may span hosts. ``None``: on with
+        several GPU nodes, off in the CPU test mode (gloo slows every collective there).
 
     Calling ``init`` again replaces the current cluster (the device count rules still hold).
 
@@ -72,12 +76,17 @@ def init(
 
         with _lock:
             _close_ray()
-            _ray = start_ray_session(address, num_hosts=num_hosts, num_cpu_devices=num_cpu_devices)
+            _ray = start_ray_session(
+                address,
+                num_hosts=num_hosts,
+                num_cpu_devices=num_cpu_devices,
+                span_hosts=span_hosts,
+            )
             _current = _ray.cluster
             return _current
-    if address is not None or num_hosts is not None:
+    if address is not None or num_hosts is not None or span_hosts is not None:
         raise ConfigError(
-            f"address/num_hosts: only used with cluster='ray', not cluster={cluster!r}"
+            f"address/num_hosts/span_hosts: only used with cluster='ray', not cluster={cluster!r}"
         )
     count = _cpu_device_count(num_cpu_devices)
     described = _describe(cluster)  # validate everything before touching JAX

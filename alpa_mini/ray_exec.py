@@ -10,7 +10,10 @@ outputs it holds.
 
 Outputs stay on the worker that computed them (``RemoteArray`` handles that fetch lazily);
 fed back into the next step they are used in place, so parameters and optimiser state do
-not travel. Not yet (issue 5 continues): stage meshes spanning hosts (``jax.distributed``).
+not travel. With ``init(cluster="ray", span_hosts=True)`` the workers form one
+``jax.distributed`` group and a stage mesh may span hosts: each of its hosts runs the
+stage's instructions (the same programs, in the same order, as one SPMD computation), and a
+buffer sharded over it is gathered whole on those hosts before it moves to another mesh.
 """
 
 from __future__ import annotations
@@ -31,76 +34,131 @@ from .pipeshard_executable import StepFun
 from .pipeshard_method import AutoStageOption, PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
-from .runtime.instructions import Accumulate, Free, Instruction, Put, Recv, Run, Send
+from .runtime.instructions import Free, Gather, Instruction, Put, Recv, Run, Send
+from .runtime.local import LocalRuntime
 from .runtime.ray_worker import Resident
 
 __all__ = [
+    "HostStreams",
     "RayPipeshardExecutable",
     "RemoteArray",
     "WorkerBuilder",
     "compile_pipeshard_ray",
     "split_stream",
+    "stage_hosts",
 ]
 
 #: Seconds one step may take before the driver reports the workers that did not answer.
 STEP_TIMEOUT = 300.0
 
 
-def stage_hosts(plan: PipeshardPlan, devices_per_host: int) -> list[int]:
-    """The host of every stage; a stage whose devices span hosts is refused (for now)."""
+def stage_hosts(
+    plan: PipeshardPlan, devices_per_host: int, span_hosts: bool
+) -> list[tuple[int, ...]]:
+    """The hosts of every stage's mesh; one spanning hosts needs the workers' group."""
     hosts = []
     for s, st in enumerate(plan.stages):
-        on = sorted({d // devices_per_host for d in st.devices})
-        if len(on) != 1:
+        on = tuple(sorted({d // devices_per_host for d in st.devices}))
+        if len(on) > 1 and not span_hosts:
             raise ConfigError(
-                f"stage {s}: devices {list(st.devices)} span hosts {on}; stage meshes across "
-                "hosts need a jax.distributed group, which the Ray runtime does not form yet "
-                "(use submeshes of at most one host, e.g. AutoStageOption on this cluster "
-                "with a smaller memory need, or ManualStageOption)"
+                f"stage {s}: devices {list(st.devices)} span hosts {list(on)}; a stage mesh "
+                "across hosts needs the host workers in one jax.distributed group: "
+                "alpa_mini.init(cluster='ray', span_hosts=True, ...)"
             )
-        hosts.append(on[0])
+        hosts.append(on)
     return hosts
 
 
-def split_stream(
-    stream: Sequence[Instruction], stage_host: Sequence[int], arg_names: Sequence[str]
-) -> tuple[dict[int, list[Instruction]], dict[int, set[str]], dict[str, int]]:
-    """Each host's part of ``stream`` in the same global order, with ``Send``/``Recv`` where
-    a ``Put`` crosses hosts; the step inputs each host reads; where every buffer ends up.
+@dataclass(frozen=True)
+class HostStreams:
+    """An instruction stream split over host workers (see ``split_stream``)."""
 
-    Order is what makes it deadlock-free: a ``Recv`` waits only for a ``Send`` that comes
-    earlier in the global stream, and sends never block.
+    streams: dict[int, list[Instruction]]  # each host's instructions, in global order
+    needs: dict[int, set[str]]  # the step inputs each host reads
+    where: dict[str, tuple[int, ...]]  # the hosts holding each buffer (several: sharded)
+    mesh_of: dict[str, int]  # the mesh each buffer was last laid out on
+    arg_meshes: dict[str, set[int]]  # the meshes each step input is put on
+
+
+def split_stream(
+    stream: Sequence[Instruction],
+    stage_hosts: Sequence[tuple[int, ...]],
+    arg_names: Sequence[str],
+) -> HostStreams:
+    """Each host's part of ``stream``: every instruction goes to all hosts of its mesh;
+    a ``Put`` from another host becomes ``Send`` there and ``Recv`` + ``Put`` here, and a
+    buffer sharded over several hosts is first gathered whole on each of them (``Gather``,
+    one collective of its mesh).
+
+    Order is what makes it deadlock-free: every host keeps the global order, so a ``Recv``
+    waits only for a ``Send``, and a collective only for peers' instructions, that come
+    earlier; sends never block.
     """
     args = set(arg_names)
-    streams: dict[int, list[Instruction]] = {h: [] for h in sorted(set(stage_host))}
+    streams: dict[int, list[Instruction]] = {h: [] for hs in stage_hosts for h in hs}
+    streams = dict(sorted(streams.items()))
     needs: dict[int, set[str]] = {h: set() for h in streams}
-    where: dict[str, int] = {}
+    where: dict[str, tuple[int, ...]] = {}
+    mesh_of: dict[str, int] = {}
+    arg_meshes: dict[str, set[int]] = {}
+
+    def emit(hosts: Sequence[int], ins: Instruction) -> None:
+        for h in hosts:
+            streams[h].append(ins)
+
     for ins in stream:
-        h = stage_host[ins.mesh]
+        hs = stage_hosts[ins.mesh]
         if isinstance(ins, Put):
-            src = where.get(ins.src)
-            if ins.src in args and src is None:
-                needs[h].add(ins.src)
-            elif src is not None and src != h:
-                tag = f"{ins.src}->{ins.dst}"
-                streams[src].append(Send(ins.src, h, tag, ins.mesh))
-                streams[h].append(Recv(tag, src, ins.src, ins.mesh))
-                streams[h].append(ins)
-                streams[h].append(Free((ins.src,), ins.mesh))  # the received copy
-                where[ins.dst] = h
-                continue
-            streams[h].append(ins)
-            where[ins.dst] = h
+            src = ins.src
+            if src in args and src not in where:
+                for h in hs:
+                    needs[h].add(src)
+                arg_meshes.setdefault(src, set()).add(ins.mesh)
+                emit(hs, ins)
+            elif src not in where:
+                raise ValueError(f"stream: Put reads {src!r} before any instruction writes it")
+            elif mesh_of[src] == ins.mesh or where[src] == hs == (hs[0],):
+                emit(hs, ins)  # the same mesh, or one host to itself
+            else:
+                _transfer(ins, where[src], mesh_of[src], hs, streams)
         elif isinstance(ins, Run):
-            needs[h].update(n for n in ins.inputs if n in args and n not in where)
-            streams[h].append(ins)
-            where.update((o, h) for o in ins.outputs)
-        elif isinstance(ins, Accumulate):
-            streams[h].append(ins)
-            where[ins.dst] = h
+            for h in hs:
+                needs[h].update(n for n in ins.inputs if n in args and n not in where)
+            emit(hs, ins)
         else:
-            streams[h].append(ins)
-    return streams, needs, where
+            emit(hs, ins)
+        for name in LocalRuntime.written(ins):
+            where[name], mesh_of[name] = hs, ins.mesh
+    return HostStreams(streams, needs, where, mesh_of, arg_meshes)
+
+
+def _transfer(
+    put: Put,
+    holders: tuple[int, ...],
+    src_mesh: int,
+    hosts: tuple[int, ...],
+    streams: dict[int, list[Instruction]],
+) -> None:
+    """``put`` across meshes of different hosts: every host of the destination gets a whole
+    copy (its own, or one sent by a holder), which its ``Put`` then lays out."""
+    copy = put.src
+    if len(holders) > 1:  # sharded over several hosts: each of them gathers it whole
+        copy = f"{put.src}@whole"
+        for h in holders:
+            streams[h].append(Gather(put.src, copy, src_mesh))
+    for i, h in enumerate(hosts):
+        if h in holders:
+            streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
+            continue
+        frm = holders[i % len(holders)]  # spread the sends over the holders
+        tag = f"{put.src}->{put.dst}"
+        streams[frm].append(Send(copy, h, tag, src_mesh))
+        streams[h].append(Recv(tag, frm, copy, put.mesh))
+        streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
+        streams[h].append(Free((copy,), put.mesh))  # the received copy
+    if copy != put.src:
+        for h in holders:
+            streams[h].append(Free((copy,), src_mesh))
 
 
 @dataclass(frozen=True)
@@ -111,10 +169,14 @@ class WorkerBuilder:
     step_fun: StepFun
     avals: tuple[Any, ...]
     plan_json: str
-    stage_host: tuple[int, ...]
+    stage_host: tuple[tuple[int, ...], ...]
     devices_per_host: int
 
-    def __call__(self, host: int, devices: Sequence[Any]) -> tuple[Any, ...]:
+    def __call__(
+        self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
+    ) -> tuple[Any, ...]:
+        """``devices``: this host's; ``group_devices``: every host's, host-major, when the
+        workers form one ``jax.distributed`` group (plan device ``d`` is then the d-th)."""
         from .pipeshard_compile import compile_pipeline
         from .pipeshard_executable import _add, _trace, stage_lowerings
         from .schedules import make_schedule
@@ -124,21 +186,35 @@ class WorkerBuilder:
         step, _, capture, forward = _trace(self.step_fun, list(self.avals), B)
         placed = []
         for s, st in enumerate(plan.stages):
-            if self.stage_host[s] == host:
+            if group_devices:
+                placed.append(tuple(group_devices[d] for d in st.devices))
+            elif host in self.stage_host[s]:
                 placed.append(tuple(devices[d % self.devices_per_host] for d in st.devices))
             else:  # never run here; any devices of the right count keep the lowering uniform
                 placed.append(tuple(devices[: len(st.devices)]))
         schedule = make_schedule(plan.schedule, plan.num_stages, B)
         compiled = compile_pipeline(step, capture, forward, stage_lowerings(plan, placed), schedule)
-        streams, needs, where = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
-        holds = sorted(n for n in compiled.out_names if n is not None and where.get(n) == host)
-        meta = {"out_names": compiled.out_names, "out_literals": compiled.out_literals}
+        split = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
+        holds = sorted(
+            n for n in compiled.out_names if n is not None and host in split.where.get(n, ())
+        )
+        spread = {  # outputs sharded over several hosts: the devices of their mesh
+            n: tuple(sorted(plan.stages[split.mesh_of[n]].devices))
+            for n in compiled.out_names
+            if n is not None and len(split.where.get(n, ())) > 1
+        }
+        meta = {
+            "out_names": compiled.out_names,
+            "out_literals": compiled.out_literals,
+            "out_devices": spread,
+            "arg_meshes": split.arg_meshes,
+        }
         return (
             compiled.programs,
             compiled.layouts,
             _add,
-            streams.get(host, []),
-            sorted(needs.get(host, ())),
+            split.streams.get(host, []),
+            sorted(split.needs.get(host, ())),
             holds,
             meta,
         )
@@ -155,6 +231,8 @@ class RayPipeshardExecutable:
     needs: list[list[str]]
     out_names: list[str | None]
     out_literals: dict[int, Any]
+    out_devices: dict[str, tuple[int, ...]]  # plan devices of outputs sharded over hosts
+    arg_meshes: dict[str, set[int]]  # the meshes each step input is put on
     in_tree: Any
     out_tree: Any
     static_argnums: tuple[int, ...]
@@ -174,13 +252,13 @@ class RayPipeshardExecutable:
             w.run_step.remote(
                 key,
                 step,
-                {n: self._input(flat[int(n[3:])], host) for n in need},
+                {n: self._input(flat[int(n[3:])], host, n) for n in need},
                 [k for h, k in garbage if h == host],
             )
             for host, (w, key, need) in enumerate(zip(workers, self.keys, self.needs, strict=True))
         ]
         self.last_dispatch_seconds = time.perf_counter() - t0
-        held: dict[str, Any] = {}
+        held: dict[str, dict[str, Any]] = {}
         host_of = {ref: host for host, ref in enumerate(refs)}
         pending, deadline = list(refs), time.monotonic() + STEP_TIMEOUT
         while pending:
@@ -195,7 +273,8 @@ class RayPipeshardExecutable:
                 host = host_of[ref]
                 try:
                     for name, (rkey, shape, dtype) in ray.get(ref).items():
-                        held[name] = RemoteArray(self.session, host, rkey, shape, dtype)
+                        entry = held.setdefault(name, {"keys": [], "shape": shape, "dtype": dtype})
+                        entry["keys"].append((host, rkey))
                 except ray.exceptions.RayActorError as err:
                     info = self.session.worker_info[host]
                     raise WorkerFailedError(host, info, f"during step {step}: {err}") from None
@@ -207,28 +286,57 @@ class RayPipeshardExecutable:
             if name is None:
                 outs.append(self.out_literals[o])
             elif name in held:
-                outs.append(held[name])
+                h = held[name]
+                keys = tuple(sorted(h["keys"]))
+                devices = self.out_devices.get(name, ())
+                outs.append(RemoteArray(self.session, keys, h["shape"], h["dtype"], devices))
             else:  # an input handed back unchanged
                 outs.append(flat[int(name[3:])])
         return jax.tree.unflatten(self.out_tree, outs)
 
-    def _input(self, leaf: Any, host: int) -> Any:
-        """What a worker gets for a step input: a reference to its own resident copy when
-        ``leaf`` is one, else the array (through the object store)."""
-        if isinstance(leaf, RemoteArray) and leaf.session is self.session and leaf.host == host:
-            return Resident(leaf.key)
+    def _input(self, leaf: Any, host: int, name: str) -> Any:
+        """What a worker gets for step input ``name``: a reference to its own resident copy
+        where that can be used in place, else the array (through the object store). A value
+        sharded over several hosts is used in place only by the mesh it is sharded over
+        (JAX cannot move it to other devices across processes)."""
+        if isinstance(leaf, RemoteArray) and leaf.session is self.session:
+            here = dict(leaf.keys).get(host)
+            if here is not None and len(leaf.keys) == 1:
+                return Resident(here)
+            if here is not None:
+                meshes = self.arg_meshes.get(name, ())
+                if {tuple(sorted(self.plan.stages[m].devices)) for m in meshes} == {leaf.devices}:
+                    return Resident(here)
         return np.asarray(leaf)
 
 
 class RemoteArray:
-    """A step output that stays on the host worker that computed it. ``np.asarray(x)``
+    """A step output that stays on the host worker(s) that computed it. ``np.asarray(x)``
     fetches it (once); passed back into a step on the same worker it is used in place, so
-    parameters and optimiser state stay on their workers between steps."""
+    parameters and optimiser state stay on their workers between steps. A value sharded
+    over the devices of several hosts (a stage mesh spanning hosts) has a key on each."""
 
-    def __init__(self, session: RaySession, host: int, key: str, shape, dtype) -> None:
-        self.session, self.host, self.key = session, host, key
+    def __init__(
+        self,
+        session: RaySession,
+        keys: tuple[tuple[int, str], ...],
+        shape: Sequence[int],
+        dtype: Any,
+        devices: tuple[int, ...] = (),
+    ) -> None:
+        self.session, self.keys = session, keys
+        self.devices = devices  # plan devices of the spanning mesh it is sharded over
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self._value: np.ndarray | None = None
+
+    @property
+    def host(self) -> int:
+        """The (first) host worker holding it."""
+        return self.keys[0][0]
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return tuple(h for h, _ in self.keys)
 
     @property
     def ndim(self) -> int:
@@ -243,22 +351,31 @@ class RemoteArray:
 
             if not self.session.workers:
                 raise RuntimeError(
-                    f"this value lived on Ray host worker {self.host}, which alpa_mini."
-                    "shutdown() removed; fetch outputs (np.asarray) before shutting down"
+                    f"this value lived on Ray host worker(s) {list(self.hosts)}, which "
+                    "alpa_mini.shutdown() removed; fetch outputs (np.asarray) before shutting "
+                    "down"
                 )
-            self._value = ray.get(self.session.workers[self.host].fetch.remote(self.key))
+            workers = self.session.workers
+            got = ray.get([workers[h].fetch.remote(k) for h, k in self.keys])
+            if isinstance(got[0], np.ndarray):
+                self._value = got[0]
+            else:  # pieces of a value sharded over several hosts
+                whole = np.empty(self.shape, self.dtype)
+                for index, piece in (p for pieces in got for p in pieces):
+                    whole[index] = piece
+                self._value = whole
         return self._value if dtype is None else self._value.astype(dtype)
 
     def __float__(self) -> float:
         return float(np.asarray(self))
 
     def __repr__(self) -> str:
-        return f"RemoteArray(host={self.host}, shape={self.shape}, dtype={self.dtype})"
+        return f"RemoteArray(hosts={list(self.hosts)}, shape={self.shape}, dtype={self.dtype})"
 
     def __del__(self) -> None:
-        # Queue the worker's copy for release with the next step's call (one remote call
+        # Queue the workers' copies for release with the next step's call (one remote call
         # per step, not one per dropped handle). No module globals: may run at exit.
-        self.session.garbage.append((self.host, self.key))
+        self.session.garbage.extend(self.keys)
 
 
 def compile_pipeshard_ray(
@@ -280,12 +397,16 @@ def compile_pipeshard_ray(
     step_fun = StepFun(fun, static, in_tree)
     B = method.num_micro_batches
     _, out_shape, capture, forward = _trace(step_fun, avals, B)
-    if method.plan is None and isinstance(method.stage_option, AutoStageOption):
-        # Stage meshes cannot span host workers yet: search submeshes inside one host.
+    if (
+        method.plan is None
+        and isinstance(method.stage_option, AutoStageOption)
+        and not session.span_hosts
+    ):
+        # Without the workers' jax.distributed group no stage mesh may span hosts.
         option = dataclasses.replace(method.stage_option, submesh_space="one_host")
         method = dataclasses.replace(method, stage_option=option)
     plan = method.plan or _plan(forward, capture, avals, roles, method, cluster, t0, None)
-    hosts = stage_hosts(plan, cluster.devices_per_host)
+    hosts = stage_hosts(plan, cluster.devices_per_host, session.span_hosts)
     builder = WorkerBuilder(
         step_fun, tuple(avals), plan.to_json(), tuple(hosts), cluster.devices_per_host
     )
@@ -299,6 +420,8 @@ def compile_pipeshard_ray(
         needs=[b["needs"] for b in built],
         out_names=list(meta["out_names"]),
         out_literals=dict(meta["out_literals"]),
+        out_devices=dict(meta["out_devices"]),
+        arg_meshes=dict(meta["arg_meshes"]),
         in_tree=in_tree,
         out_tree=jax.tree.structure(out_shape),
         static_argnums=tuple(i for i, _ in static),

@@ -9,6 +9,10 @@ describe what the workers see as a ``ClusterSpec``.
   simulated hosts, each a worker process with ``num_cpu_devices`` JAX CPU devices.
 - The description comes from the workers' live devices (``ClusterSpec.detect``), so its
   hosts are the workers and its figures the bundled ones for that device kind.
+- ``span_hosts=True`` joins the workers into one ``jax.distributed`` group before JAX starts
+  in them, so that a stage mesh may span hosts (its collectives run over gloo on CPU, NCCL
+  on GPU). It is the default on clusters of several GPU nodes; in the CPU test mode it is
+  off unless asked for, because gloo makes every collective slower, also a host's own.
 
 ``shutdown`` kills every actor and removes the placement group this module created.
 """
@@ -57,6 +61,7 @@ class RaySession:
     started_ray: bool
     temp_dir: str | None
     worker_info: list[dict[str, Any]] = field(default_factory=list)
+    span_hosts: bool = False  # the workers form one jax.distributed group
     garbage: list[tuple[int, str]] = field(default_factory=list)  # (host, resident key)
 
     def check_workers(self, timeout: float = 10.0) -> None:
@@ -98,12 +103,18 @@ def start_ray_session(
     *,
     num_hosts: int | None = None,
     num_cpu_devices: int | None = None,
+    span_hosts: bool | None = None,
 ) -> RaySession:
     """Connect or start Ray, place the host workers, and describe the cluster."""
     if address is not None and (not isinstance(address, str) or not address.strip()):
         raise ConfigError(
             f"address: {address!r} is invalid; expected None (start a local Ray), 'auto' or "
             "'host:port' of a running head"
+        )
+    if span_hosts is not None and not isinstance(span_hosts, bool):
+        raise ConfigError(
+            f"span_hosts: {span_hosts!r} is invalid; expected True (stage meshes may span "
+            "hosts: one jax.distributed group), False, or None (True on several GPU nodes)"
         )
     import ray
 
@@ -128,7 +139,7 @@ def start_ray_session(
     else:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     try:
-        return _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices)
+        return _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices, span_hosts)
     except BaseException:
         ray.shutdown()
         if temp_dir:
@@ -137,7 +148,11 @@ def start_ray_session(
 
 
 def _place_workers(
-    started: bool, temp_dir: str | None, num_hosts: int | None, num_cpu_devices: int | None
+    started: bool,
+    temp_dir: str | None,
+    num_hosts: int | None,
+    num_cpu_devices: int | None,
+    span_hosts: bool | None,
 ) -> RaySession:
     import ray
     from ray.util.placement_group import placement_group
@@ -190,7 +205,13 @@ def _place_workers(
         if env:
             options["runtime_env"] = {"env_vars": env}
         workers.append(actor.options(**options).remote(host, cpu_devices))
+    span = (len(gpu_nodes) > 1) if span_hosts is None else span_hosts and len(bundles) > 1
     try:
+        coordinator = None
+        if span:  # worker 0's process hosts the group's coordination service
+            coordinator = ray.get(workers[0].free_address.remote(started), timeout=START_TIMEOUT)
+        starts = [w.start.remote(coordinator, len(workers)) for w in workers]
+        ray.get(starts, timeout=START_TIMEOUT)
         info = ray.get([w.info.remote() for w in workers], timeout=START_TIMEOUT)
         cluster = describe_workers(info)
     except BaseException:
@@ -199,7 +220,7 @@ def _place_workers(
         ray.util.remove_placement_group(pg)
         raise
     ray.get([w.set_peers.remote(workers) for w in workers])
-    return RaySession(cluster, workers, pg, started, temp_dir, info)
+    return RaySession(cluster, workers, pg, started, temp_dir, info, span)
 
 
 def gpu_node_counts(nodes: list[dict[str, Any]]) -> list[int]:

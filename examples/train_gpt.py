@@ -3,9 +3,12 @@
     python examples/train_gpt.py                          # one process, 8 simulated CPU devices
     python examples/train_gpt.py --cluster ray            # embedded Ray: 2 host workers x 4
     python examples/train_gpt.py --cluster ray --address auto   # a running Ray cluster
+    python examples/train_gpt.py --cluster ray --stage-hosts 2  # one stage over both hosts
 
-On Ray every stage runs on a host worker (2 stages: one per simulated host); activations
-pass worker to worker. It prints the loss per step and exits non-zero unless the loss fell.
+By default every stage is one host (2 stages on 2 hosts); on Ray activations pass worker to
+worker. ``--stage-hosts N`` gives each stage the devices of N hosts: on Ray the host workers
+then form one ``jax.distributed`` group. It prints the loss per step and exits non-zero
+unless the loss fell.
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="Ray address (default: start one)")
     parser.add_argument("--hosts", type=int, default=2, help="Ray CPU mode: simulated hosts")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices per host")
+    parser.add_argument("--stage-hosts", type=int, default=1, help="hosts per stage mesh")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.stage_hosts < 1 or args.hosts % args.stage_hosts:
+        parser.error(
+            f"--stage-hosts: {args.stage_hosts} must be >= 1 and divide --hosts {args.hosts}"
+        )
 
     import alpa_mini
 
     if args.cluster == "ray":
         cluster = alpa_mini.init(
             cluster="ray", address=args.address, num_hosts=args.hosts,
-            num_cpu_devices=args.devices,
+            num_cpu_devices=args.devices, span_hosts=args.stage_hosts > 1,
         )  # fmt: skip
     else:  # the same layout simulated in this one process
         layout = dataclasses.replace(
@@ -60,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return gpt_loss(params, batch, config)
 
     per_host = cluster.devices_per_host
+    num_stages = cluster.num_hosts // args.stage_hosts
     method = alpa_mini.PipeshardParallel(
         num_micro_batches=args.micro_batches,
-        stage_option=alpa_mini.UniformStageOption(cluster.num_hosts, (1, per_host)),
+        stage_option=alpa_mini.UniformStageOption(num_stages, (args.stage_hosts, per_host)),
     )
     step = alpa_mini.parallelize(
         make_train_step(loss_fn, optimizer, alpa_mini.value_and_grad), method=method
@@ -72,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = make_gpt_batch(config, jax.random.PRNGKey(1), 16)
     print(
         f"train_gpt: {cluster.num_hosts} hosts x {per_host} devices ({args.cluster}), "
-        f"{cluster.num_hosts} stages, {args.micro_batches} micro-batches",
+        f"{num_stages} stages of {args.stage_hosts} host(s), {args.micro_batches} micro-batches",
         flush=True,
     )
     losses = []

@@ -11,13 +11,25 @@ devices). The stream is fixed per executable and replayed every step, in order:
 - ``Free``: drop buffers no later instruction reads.
 - ``Send``/``Recv`` (Ray runtime only): a buffer crossing from one host worker to another
   through Ray's object store; the ``Put`` that follows lays it out on the receiving mesh.
+- ``Gather`` (Ray runtime only): every host of a mesh that spans hosts makes a whole local
+  copy of a buffer sharded over that mesh (one collective), before it leaves the mesh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Accumulate", "Free", "Instruction", "Put", "Recv", "Run", "Send", "format_stream"]
+__all__ = [
+    "Accumulate",
+    "Free",
+    "Gather",
+    "Instruction",
+    "Put",
+    "Recv",
+    "Run",
+    "Send",
+    "format_stream",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,16 @@ class Recv:
     mesh: int
 
 
-Instruction = Put | Run | Accumulate | Free | Send | Recv
+@dataclass(frozen=True)
+class Gather:
+    """Ray runtime: a whole copy ``dst`` on this host of ``src``, sharded over hosts."""
+
+    src: str
+    dst: str
+    mesh: int
+
+
+Instruction = Put | Run | Accumulate | Free | Send | Recv | Gather
 
 
 def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
@@ -91,6 +112,8 @@ def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
             lines.append(f"mesh{ins.mesh}  SEND  {ins.src} -> host{ins.to} [{ins.tag}]")
         elif isinstance(ins, Recv):
             lines.append(f"mesh{ins.mesh}  RECV  host{ins.frm} [{ins.tag}] -> {ins.dst}")
+        elif isinstance(ins, Gather):
+            lines.append(f"mesh{ins.mesh}  GATH  {ins.src} -> {ins.dst}")
         else:
             lines.append(f"mesh{ins.mesh}  FREE  {', '.join(ins.names)}")
     if limit is not None and len(stream) > limit:

@@ -26,10 +26,12 @@ class LocalRuntime:
         programs: Mapping[str, Callable[..., Any]],
         layouts: Mapping[str, jax.sharding.Sharding],
         add: Callable[[Any, Any], Any],
+        place: Callable[[Any, jax.sharding.Sharding], Any] = jax.device_put,
     ) -> None:
         self.programs = dict(programs)
         self.layouts = dict(layouts)
         self.add = add
+        self.place = place  # how a Put lays a buffer out (the Ray worker's also spans hosts)
 
     def execute(
         self,
@@ -47,7 +49,7 @@ class LocalRuntime:
             start = time.perf_counter() if timeline is not None else 0.0
             self.execute_one(ins, buffers)
             if timeline is not None:
-                jax.block_until_ready([buffers[n] for n in _written(ins) if n in buffers])
+                jax.block_until_ready([buffers[n] for n in self.written(ins) if n in buffers])
                 end = time.perf_counter()
                 timeline.append(InstructionTiming(index, ins, start, end))
         return buffers
@@ -63,7 +65,7 @@ class LocalRuntime:
                 )
             buffers.update(zip(ins.outputs, outs, strict=True))
         elif isinstance(ins, Put):
-            buffers[ins.dst] = jax.device_put(buffers[ins.src], self.layouts[ins.layout])
+            buffers[ins.dst] = self.place(buffers[ins.src], self.layouts[ins.layout])
         elif isinstance(ins, Accumulate):
             src = buffers[ins.src]
             buffers[ins.dst] = src if ins.first else self.add(buffers[ins.dst], src)
@@ -72,6 +74,15 @@ class LocalRuntime:
                 buffers.pop(name, None)
         else:  # pragma: no cover - the union above is closed
             raise TypeError(f"unknown instruction {ins!r}")
+
+    @staticmethod
+    def written(ins: Instruction) -> tuple[str, ...]:
+        """The buffers ``ins`` writes."""
+        if isinstance(ins, Run):
+            return ins.outputs
+        if isinstance(ins, Put | Accumulate):
+            return (ins.dst,)
+        return ()
 
 
 @dataclass(frozen=True)
@@ -86,11 +97,3 @@ class InstructionTiming:
     @property
     def seconds(self) -> float:
         return self.end - self.start
-
-
-def _written(ins: Instruction) -> tuple[str, ...]:
-    if isinstance(ins, Run):
-        return ins.outputs
-    if isinstance(ins, Put | Accumulate):
-        return (ins.dst,)
-    return ()

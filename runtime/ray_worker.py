@@ -2,7 +2,9 @@
 
 One ``HostWorker`` runs per (simulated) host. In the CPU test mode it gives its own process
 ``num_cpu_devices`` JAX CPU devices before JAX starts there; on a GPU node it sees the GPUs
-Ray assigned to it. It reports its devices so that the driver can describe the cluster.
+Ray assigned to it. ``start`` brings JAX up, first joining every host worker into one
+``jax.distributed`` group when stage meshes may span hosts (gloo collectives on CPU, NCCL on
+GPU); the worker then reports its devices so that the driver can describe the cluster.
 The driver sends a builder that compiles this host's stages here (the planner stays on the
 driver side: this module never imports it), then one ``run_step`` call per step; buffers
 cross hosts by ``Send`` (a remote ``deliver`` call on the peer, through Ray's object store)
@@ -12,20 +14,25 @@ and ``Recv`` (wait in the mailbox), never through the driver. The actor is threa
 
 from __future__ import annotations
 
+import collections
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .instructions import Recv, Send
+from .instructions import Gather, Recv, Send
 from .local import LocalRuntime
 
-__all__ = ["HostWorker", "Resident"]
+__all__ = ["HostWorker", "Resident", "place"]
 
 #: Seconds a ``Recv`` waits for its peer before the step fails (a dead peer, not a hang).
 RECV_TIMEOUT = 30.0
+#: In a ``jax.distributed`` group on CPU, at most this many dispatched programs may be
+#: unfinished: gloo collectives hang with about 30 in flight (measured on jax 0.10.2).
+CPU_GROUP_IN_FLIGHT = 8
 
 
 @dataclass(frozen=True)
@@ -46,12 +53,35 @@ class HostWorker:
         if num_cpu_devices is not None:
             jax.config.update("jax_num_cpu_devices", num_cpu_devices)
         self.host = host
-        self.devices = jax.local_devices()
+        self.devices: list[Any] = []  # this host's devices, once ``start`` has run
+        self.group_devices: list[Any] = []  # every host's devices, host-major, in a group
+        self._throttle = False
         self._executables: list[tuple[LocalRuntime, list[Any], list[str]]] = []
         self._peers: list[Any] = []
         self._mailbox: dict[tuple[int, str], Any] = {}
         self._arrived = threading.Condition()
         self._resident: dict[str, Any] = {}
+
+    def free_address(self, loopback: bool) -> str:
+        """``ip:port`` on this node where a ``jax.distributed`` coordinator can listen."""
+        import ray
+
+        ip = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((ip, 0))
+            return f"{ip}:{sock.getsockname()[1]}"
+
+    def start(self, coordinator: str | None, num_processes: int) -> None:
+        """Start JAX here; with a ``coordinator``, first join the group of ``num_processes``
+        host workers (this worker is process ``host``). Blocks until all have joined."""
+        import jax
+
+        if coordinator is not None:
+            jax.distributed.initialize(coordinator, num_processes, self.host)
+            everyone = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+            self.group_devices = everyone
+            self._throttle = jax.default_backend() == "cpu"
+        self.devices = jax.local_devices()
 
     def info(self) -> dict[str, Any]:
         """This host's index, process, node address and devices (kind, memory limit)."""
@@ -84,13 +114,16 @@ class HostWorker:
 
     # ------------------------------------------------------------------ execution
     def build(self, builder: Callable[..., Any]) -> dict[str, Any]:
-        """Compile this host's part of a pipelined step: ``builder(host, devices)`` returns
+        """Compile this host's part of a pipelined step: ``builder(host, devices,
+        group_devices)`` returns
         (programs, layouts, add, stream, needs, holds, meta). Returns the executable's
         ``key`` here, the step inputs this host reads, the outputs it ends up holding, and
         the builder's ``meta``."""
-        programs, layouts, add, stream, needs, holds, meta = builder(self.host, self.devices)
+        built = builder(self.host, self.devices, self.group_devices)
+        programs, layouts, add, stream, needs, holds, meta = built
         key = len(self._executables)
-        self._executables.append((LocalRuntime(programs, layouts, add), stream, holds))
+        runtime = LocalRuntime(programs, layouts, add, place=place)
+        self._executables.append((runtime, stream, holds))
         return {"key": key, "needs": needs, "holds": holds, "meta": meta}
 
     def set_peers(self, peers: list[Any]) -> None:
@@ -120,6 +153,7 @@ class HostWorker:
             name: self._resident[v.key] if isinstance(v, Resident) else v
             for name, v in inputs.items()
         }
+        in_flight: collections.deque[Any] = collections.deque()
         for ins in stream:
             if isinstance(ins, Send):
                 value = np.asarray(buffers[ins.src])
@@ -127,7 +161,15 @@ class HostWorker:
             elif isinstance(ins, Recv):
                 buffers[ins.dst] = self._take(step, ins)
             else:
-                runtime.execute_one(ins, buffers)
+                if isinstance(ins, Gather):
+                    buffers[ins.dst] = gather(buffers[ins.src])
+                else:
+                    runtime.execute_one(ins, buffers)
+                if self._throttle:
+                    written = (ins.dst,) if isinstance(ins, Gather) else runtime.written(ins)
+                    in_flight.append([buffers[n] for n in written if n in buffers])
+                    if len(in_flight) > CPU_GROUP_IN_FLIGHT:
+                        jax.block_until_ready(in_flight.popleft())
         outs = {name: buffers[name] for name in holds}
         jax.block_until_ready(list(outs.values()))
         meta = {}
@@ -138,10 +180,20 @@ class HostWorker:
         return meta
 
     def fetch(self, rkey: str) -> Any:
-        """A resident value as a numpy array."""
+        """A resident value as a numpy array; for one sharded over several hosts' devices,
+        the distinct pieces held here as ``[(index, array), ...]`` (``index`` a tuple of
+        slices into the whole), which the driver puts together."""
         import numpy as np
 
-        return np.asarray(self._resident[rkey])
+        value = self._resident[rkey]
+        if getattr(value, "is_fully_addressable", True):
+            return np.asarray(value)
+        pieces: dict[Any, Any] = {}
+        for shard in value.addressable_shards:
+            key = tuple((s.start, s.stop, s.step) for s in shard.index)
+            if key not in pieces:
+                pieces[key] = (shard.index, np.asarray(shard.data))
+        return list(pieces.values())
 
     def release(self, rkeys: list[str]) -> None:
         """Forget resident values nobody holds a handle to any more."""
@@ -163,3 +215,40 @@ class HostWorker:
                     )
                 self._arrived.wait(left)
             return self._mailbox.pop((step, ins.tag))
+
+
+def place(value: Any, sharding: Any) -> Any:
+    """``value`` laid out as ``sharding``, also where either spans hosts of a group.
+
+    A value held whole on this host (numpy, or an array on local devices) becomes this
+    host's shards of a sharding that spans hosts (every member host does the same with its
+    own whole copy). A value that spans hosts can only be re-laid over the same devices
+    (JAX moves nothing between device sets across processes): ``Gather`` it first.
+    """
+    import jax
+
+    if getattr(value, "is_fully_addressable", True):
+        if sharding.is_fully_addressable or not isinstance(value, jax.Array):
+            return jax.device_put(value, sharding)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    if value.sharding.device_set != sharding.device_set:
+        raise RuntimeError(
+            f"a value sharded over devices {sorted(d.id for d in value.sharding.device_set)} "
+            f"cannot move to devices {sorted(d.id for d in sharding.device_set)} without a "
+            "Gather first (an instruction stream split wrongly)"
+        )
+    return jax.device_put(value, sharding)
+
+
+def gather(value: Any) -> Any:
+    """A whole copy, on one local device, of a value sharded over several hosts: one
+    collective over the value's devices, so every host of its mesh runs it in turn."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if getattr(value, "is_fully_addressable", True):
+        return value
+    devices = sorted(value.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    whole = NamedSharding(Mesh(np.array(devices), ("all",)), PartitionSpec())
+    return jax.device_put(value, whole).addressable_shards[0].data

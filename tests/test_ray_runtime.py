@@ -14,6 +14,7 @@ from alpa_mini import (
     AutoStageOption,
     ClusterSpec,
     ConfigError,
+    ManualStageOption,
     PipeshardParallel,
     UniformStageOption,
     WorkerFailedError,
@@ -92,9 +93,10 @@ def ray_results():
             # that lives there gets a reference to its own copy; data is sent only to a
             # worker where it does not live (a tied embedding read by the last stage).
             sent = [
-                (flat[int(n[3:])].host == h, isinstance(ex._input(flat[int(n[3:])], h), Resident))
+                (x.host == h, isinstance(ex._input(x, h, n), Resident))
                 for h, need in enumerate(ex.needs)
                 for n in need
+                for x in [flat[int(n[3:])]]
                 if int(n[3:]) < len(state)
             ]
             results[name] = {
@@ -137,12 +139,86 @@ def test_ray_steps_equal_serial_jax_and_the_local_runtime(ray_results, name):
     assert r["handles"] and r["resident"]
 
 
+#: Stage 0 spans hosts 0 and 1 (two workers x 4 CPU devices, one jax.distributed group);
+#: stage 1 is host 2. Activations and cotangents cross between the two meshes.
+SPANNING = PipeshardParallel(
+    num_micro_batches=4,
+    stage_option=ManualStageOption(((0, 1, 2), (3, 4)), ((2, 4), (1, 4)), ((2, 4), (2, 2))),
+)
+
+_REPLAY = """
+import sys
+import numpy as np
+import alpa_mini
+from alpa_mini import ClusterSpec, PipeshardParallel, PipeshardPlan
+from test_ray_runtime import _train
+alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4").with_hosts(3), num_cpu_devices=12)
+plan = PipeshardPlan.from_json(open(sys.argv[1]).read())
+_, leaves, losses = _train(PipeshardParallel.from_plan(plan))
+np.savez(sys.argv[2], np.array(losses), *leaves)
+"""
+
+
+def test_a_stage_mesh_spanning_two_hosts_equals_serial_jax_and_the_local_runtime(tmp_path):
+    """Three simulated hosts in one jax.distributed group; stage 0's mesh is hosts 0 and 1.
+    3 Adam steps equal serial JAX and the local runtime replaying the same plan (12 devices,
+    in a subprocess); stage 0's state stays sharded over both hosts and is used in place."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from alpa_mini.runtime.ray_worker import Resident
+
+    alpa_mini.shutdown()
+    try:
+        cluster = alpa_mini.init(cluster="ray", num_hosts=3, num_cpu_devices=4, span_hosts=True)
+        assert (cluster.num_hosts, cluster.devices_per_host) == (3, 4)
+        assert alpa_mini.ray_session().span_hosts
+        kept: dict = {}
+        step, leaves, losses = _train(SPANNING, keep=kept)
+        ex = step.get_executable(kept["p"], kept["s"], kept["batch"])
+        plan = ex.plan
+        assert [sorted({d // 4 for d in st.devices}) for st in plan.stages] == [[0, 1], [2]]
+        state = jax.tree.leaves((kept["p"], kept["s"]))
+        spread = [x for x in state if x.hosts == (0, 1)]
+        assert spread and all(x.devices == tuple(range(8)) for x in spread)
+        flat = jax.tree.leaves((kept["p"], kept["s"], kept["batch"]))
+        in_place = [
+            isinstance(ex._input(flat[int(n[3:])], h, n), Resident)
+            for h in (0, 1)
+            for n in ex.needs[h]
+            if flat[int(n[3:])] in spread
+        ]
+        assert sum(in_place) > len(in_place) // 2
+    finally:
+        alpa_mini.shutdown()
+    s_leaves, s_losses = _serial()
+    np.testing.assert_allclose(losses, s_losses, rtol=2e-5)
+    for a, b in zip(leaves, s_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    out = subprocess.run(
+        [sys.executable, "-c", _REPLAY, str(tmp_path / "plan.json"), str(tmp_path / "l.npz")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    local = np.load(tmp_path / "l.npz")
+    l_losses, *l_leaves = (local[f"arr_{i}"] for i in range(len(local.files)))
+    np.testing.assert_allclose(losses, l_losses, rtol=1e-6)
+    for a, b in zip(leaves, l_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
     alpa_mini.shutdown()
     try:
         alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
         wide = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(1, (2, 4)))
-        with pytest.raises(ConfigError, match=r"stage 0: devices .* span hosts"):
+        with pytest.raises(ConfigError, match=r"stage 0: devices .* span hosts.*span_hosts=True"):
             _train(wide, steps=1)
 
         import ray
