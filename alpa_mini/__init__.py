@@ -33,6 +33,8 @@ _LAZY = {
     "PipeshardParallel": "pipeshard_method",
     "PipeshardPlan": "pipeshard_plan",
     "Schedule": "schedules",
+    "Simulation": "pipeline_sim",
+    "StageTiming": "pipeline_sim",
     "ShardParallel": "parallel_method",
     "ShardingPlan": "plan",
     "ShardingSpec": "sharding_spec",
@@ -49,6 +51,8 @@ _LAZY = {
     "parallelize": "api",
     "ray_session": "device_setup",
     "shutdown": "device_setup",
+    "simulate": "pipeline_sim",
+    "simulate_plan": "pipeline_sim",
     "value_and_grad": "micro_batch",
 }
 
@@ -76,6 +80,8 @@ __all__ = [  # noqa: F405  (lazy names resolve through __getattr__)
     "ShardParallel",
     "ShardingPlan",
     "ShardingSpec",
+    "Simulation",
+    "StageTiming",
     "UniformStageOption",
     "Zero2Parallel",
     "Zero3Parallel",
@@ -90,6 +96,8 @@ __all__ = [  # noqa: F405  (lazy names resolve through __getattr__)
     "parallelize",
     "ray_session",
     "shutdown",
+    "simulate",
+    "simulate_plan",
     "value_and_grad",
     *_solvers.__all__,
 ]

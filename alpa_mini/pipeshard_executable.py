@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from .cluster import ClusterSpec
 from .executable import dynamic_leaves
@@ -197,6 +198,18 @@ def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> Pipe
     return _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
 
 
+def _boundary_bytes(forward: Any, eqn_start: int, eqn_end: int) -> float:
+    """Bytes of the values equations [eqn_start, eqn_end) define that later equations (or
+    the forward's results) read: what the stage sends on, per micro-batch."""
+    jaxpr = forward.jaxpr
+    defined = {v for e in jaxpr.eqns[eqn_start:eqn_end] for v in e.outvars}
+    read = [v for e in jaxpr.eqns[eqn_end:] for v in e.invars]
+    if eqn_end < len(jaxpr.eqns):  # the last stage's results are the loss, not a send
+        read += jaxpr.outvars
+    later = {v for v in read if not isinstance(v, Literal) and v in defined}
+    return sum(_nbytes(v.aval) for v in later)
+
+
 def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):
     return PipeshardPlan(
         stages=tuple(
@@ -213,6 +226,8 @@ def _make_plan(decisions, starts, forward, method, cluster, problem, solution, s
                 d.cost.in_specs,
                 d.cost.out_specs,
                 d.cost.inner_specs,
+                _boundary_bytes(forward, d.eqn_start, d.eqn_end),
+                d.cost.residual_bytes,
             )
             for d in decisions
         ),

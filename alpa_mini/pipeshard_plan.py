@@ -40,6 +40,8 @@ class StagePlan:
     in_specs: tuple[ShardingSpec | None, ...]
     out_specs: tuple[ShardingSpec | None, ...]
     inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()  # (equation, result, spec)
+    out_bytes: float = 0.0  # bytes per micro-batch of its results that later stages read
+    residual_bytes: float = 0.0  # bytes per device held per micro-batch in flight
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,8 @@ class StagePlan:
             "in_specs": _spec_list(self.in_specs),
             "out_specs": _spec_list(self.out_specs),
             "inner_specs": [[e, o, spec.to_list()] for e, o, spec in self.inner_specs],
+            "out_bytes": self.out_bytes,
+            "residual_bytes": self.residual_bytes,
         }
 
     @classmethod
@@ -73,6 +77,8 @@ class StagePlan:
                 (int(e), int(o), ShardingSpec.from_list(spec))
                 for e, o, spec in d.get("inner_specs", [])
             ),
+            out_bytes=float(d.get("out_bytes", 0.0)),
+            residual_bytes=float(d.get("residual_bytes", 0.0)),
         )
 
 
