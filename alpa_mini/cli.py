@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         if args.devices_per_host is not None:
             cluster = dataclasses.replace(cluster, devices_per_host=args.devices_per_host)
         config = spec.config
-        if spec.family == "gpt":
+        if hasattr(config, "pipeline_marks"):  # layers end at the model's own boundaries
             config = dataclasses.replace(config, pipeline_marks=True)
             spec = dataclasses.replace(spec, config=config)
         method = PipeshardParallel(

@@ -305,7 +305,16 @@ class _StageModel:
         cost = self.cost_model(submesh, logical)
         opt = self.method.default_auto_sharding_option
         budget = _budget(self.method, self.cluster)
-        state = self.state_ratio * param_bytes / n_dev
+        # Optimiser state is sharded over the stage's devices, except under plain data
+        # parallelism, which keeps a whole copy on every device.
+        state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
+        filters = None
+        if opt.layout != "auto" or opt.batch_axis is not None:  # a preset pins input layouts
+            roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
+            filters = [
+                opt.input_filter(role, graph.tensors[t].shape, logical)
+                for role, t in zip(roles, graph.inputs, strict=True)
+            ]
         with self._lock:
             self.stats.ilps_solved += 1
         try:
@@ -313,6 +322,7 @@ class _StageModel:
                 graph,
                 cost,
                 AXIS_NAMES[: len(logical)],
+                input_filters=filters,
                 memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
                 backend=opt.backend,
                 time_limit=opt.time_limit,

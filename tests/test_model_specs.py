@@ -14,6 +14,8 @@ from alpa_mini.cluster import ConfigError
 from alpa_mini.model_specs import ModelSpec, available_models
 from alpa_mini.models.gpt import GPTConfig
 from alpa_mini.models.mlp import MLPConfig, count_params
+from alpa_mini.models.moe import MoELMConfig
+from alpa_mini.models.wide_resnet import WideResNetConfig
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 SHIPPED = sorted(p.stem for p in MODELS.glob("*.yaml"))
@@ -39,8 +41,8 @@ model: {vocab_size: 64, seq_len: 8, hidden: 16, num_heads: 2, num_layers: 2}
 
 
 def _approx(n: int) -> str:
-    """The rounded count the YAML descriptions state, e.g. 1.32B, 356M, 218K."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+    """The rounded count the YAML descriptions state, e.g. 1.01T, 1.32B, 356M, 218K."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
             return f"{n / scale:.3g}{suffix}"
     return str(n)
@@ -57,7 +59,12 @@ def test_every_shipped_yaml_loads(name: str) -> None:
     assert spec.name == name
     assert spec == ModelSpec.load(MODELS / f"{name}.yaml")
     assert spec == ModelSpec.load_any(name) == ModelSpec.load_any(str(MODELS / f"{name}.yaml"))
-    expected = GPTConfig if spec.family == "gpt" else MLPConfig
+    expected = {
+        "gpt": GPTConfig,
+        "mlp": MLPConfig,
+        "moe": MoELMConfig,
+        "wresnet": WideResNetConfig,
+    }[spec.family]
     assert isinstance(spec.config, expected)
     # The description states the (rounded and exact) parameter count of the config.
     n = spec.num_params()
@@ -206,8 +213,8 @@ def test_direct_construction_is_validated() -> None:
     config = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_layers=2)
     with pytest.raises(ConfigError, match=r"ModelSpec\.batch_size: -1 is invalid"):
         ModelSpec("x", "gpt", config, -1)
-    with pytest.raises(ConfigError, match=r"ModelSpec\.family: 'moe' is invalid"):
-        ModelSpec("x", "moe", config, 1)
+    with pytest.raises(ConfigError, match=r"ModelSpec\.family: 'bert' is invalid"):
+        ModelSpec("x", "bert", config, 1)
     with pytest.raises(ConfigError, match=r"ModelSpec\.config: a GPTConfig is invalid"):
         ModelSpec("x", "mlp", config, 1)
     spec = ModelSpec("x", "gpt", config, 2)

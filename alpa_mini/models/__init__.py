@@ -1,8 +1,9 @@
 """Small pure-JAX models and optimisers for tests, the demo and benchmarks.
 
 Every model is a set of plain functions over a nested dict of fp32 arrays: ``init_*``,
-``*_forward``, ``*_loss(params, batch)``, ``make_*_batch`` and a closed-form ``*_num_params``;
-each module's docstring documents its parameter layout.
+``*_forward``, ``*_loss(params, batch)``, ``make_*_batch`` and a closed-form ``*_num_params``
+(the benchmark-scale ones also ``*_abstract_params`` / ``*_abstract_batch``, for planning
+without allocating); each module's docstring documents its parameter layout.
 """
 
 from __future__ import annotations
@@ -33,9 +34,18 @@ from .mlp import (
 )
 from .moe import (
     MoEConfig,
+    MoELMConfig,
     init_moe,
+    init_moe_lm,
     make_moe_batch,
+    make_moe_lm_batch,
     moe_forward,
+    moe_lm_abstract_batch,
+    moe_lm_abstract_params,
+    moe_lm_forward,
+    moe_lm_layer_kinds,
+    moe_lm_loss,
+    moe_lm_num_params,
     moe_loss,
     moe_num_params,
     moe_routing,
@@ -45,6 +55,8 @@ from .wide_resnet import (
     WideResNetConfig,
     init_wide_resnet,
     make_wide_resnet_batch,
+    wide_resnet_abstract_batch,
+    wide_resnet_abstract_params,
     wide_resnet_forward,
     wide_resnet_loss,
     wide_resnet_num_params,
@@ -57,6 +69,7 @@ __all__ = [
     "GPTConfig",
     "MLPConfig",
     "MoEConfig",
+    "MoELMConfig",
     "Optimizer",
     "WideResNetConfig",
     "adam",
@@ -69,22 +82,32 @@ __all__ = [
     "init_gpt",
     "init_mlp",
     "init_moe",
+    "init_moe_lm",
     "init_wide_resnet",
     "make_gpt_batch",
     "make_mlp_batch",
     "make_moe_batch",
+    "make_moe_lm_batch",
     "make_train_step",
     "make_wide_resnet_batch",
     "mlp_forward",
     "mlp_loss",
     "mlp_num_params",
     "moe_forward",
+    "moe_lm_abstract_batch",
+    "moe_lm_abstract_params",
+    "moe_lm_forward",
+    "moe_lm_layer_kinds",
+    "moe_lm_loss",
+    "moe_lm_num_params",
     "moe_loss",
     "moe_num_params",
     "moe_routing",
     "sgd",
     "stack_layers",
     "unstack_layers",
+    "wide_resnet_abstract_batch",
+    "wide_resnet_abstract_params",
     "wide_resnet_forward",
     "wide_resnet_loss",
     "wide_resnet_num_params",

@@ -1,0 +1,206 @@
+"""Hand-tuned baselines for the plan-quality benchmark, all priced by the same cost model and
+simulator as our own plans.
+
+- ``data-parallel``: one stage over every device, batch split, parameters and optimiser
+  state replicated (a whole copy of the state on each device).
+- ``zero-2``: the same with optimiser state sharded over the devices.
+- ``zero-3``: parameters sharded too (gathered where they are used).
+- ``megatron``: Megatron-LM's manual space, searched exhaustively: ``pp`` stages of equal
+  layer counts on equal submeshes, each a (dp, tp) mesh with tensor parallelism inside one
+  host and the batch split over dp, and the micro-batch count. Each stage's tensor-parallel
+  layouts are the ILP's best on its (dp, tp) mesh, which on transformer layers is Megatron's
+  own column/row split, so this is Megatron's configuration search, not a weaker stand-in.
+
+A configuration that does not fit in device memory (the ILP finds no layout within the
+budget, or the simulated peak with the schedule's micro-batches in flight exceeds it) is
+reported as infeasible with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .auto_sharding import MemoryBudgetError
+from .cluster import ClusterSpec, ConfigError
+from .parallel_method import ShardParallel
+from .pipeline_sim import simulate_plan
+from .pipeshard_executable import plan_pipeshard
+from .pipeshard_method import ManualLayerOption, PipeshardParallel, UniformStageOption
+from .pipeshard_plan import PipeshardPlan
+
+__all__ = [
+    "BASELINES",
+    "BaselineResult",
+    "evaluate_plan",
+    "megatron_configs",
+    "run_baseline",
+    "run_baselines",
+]
+
+BASELINES = ("data-parallel", "zero-2", "zero-3", "megatron")
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """The best configuration one baseline found (or why none fits)."""
+
+    name: str
+    iteration_time: float  # simulated seconds; inf when nothing fits
+    config: dict[str, int] = field(default_factory=dict)  # dp, tp, pp, micro_batches
+    peak_memory: float = math.inf  # bytes on the fullest device
+    plan: PipeshardPlan | None = None
+    tried: int = 0  # configurations planned
+    infeasible: int = 0  # of which did not fit
+    reason: str = ""  # why nothing fits, when nothing does
+    seconds: float = 0.0  # wall time of the search
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.iteration_time)
+
+
+def evaluate_plan(plan: PipeshardPlan, cluster: ClusterSpec) -> tuple[float, float, str]:
+    """(simulated iteration time, peak bytes on the fullest device, reason it does not fit
+    or ""); time is inf when the schedule's in-flight micro-batches overflow a device."""
+    sim = simulate_plan(plan, cluster)
+    peak = max(sim.peak_memory)
+    limit = cluster.device.memory_bytes
+    if peak > limit:
+        stage = max(range(len(sim.peak_memory)), key=sim.peak_memory.__getitem__)
+        reason = (
+            f"stage {stage} peaks at {peak / 2**30:.1f} GiB per device with "
+            f"{plan.num_micro_batches} micro-batches ({plan.schedule}); devices have "
+            f"{limit / 2**30:.1f} GiB"
+        )
+        return math.inf, peak, reason
+    return sim.iteration_time, peak, ""
+
+
+def megatron_configs(
+    num_devices: int,
+    devices_per_host: int,
+    num_layers: int,
+    batch_size: int,
+    micro_batches: Iterable[int],
+) -> list[dict[str, int]]:
+    """Megatron's grid: dp * tp * pp = devices, tp a divisor of a host's devices, pp at most
+    the layer count, equal submeshes that tile hosts, and micro-batch counts that split the
+    batch into micro-batches divisible by dp."""
+    out = []
+    for pp in _divisors(num_devices):
+        per_stage = num_devices // pp
+        if pp > num_layers or not _tiles(per_stage, devices_per_host):
+            continue
+        for tp in _divisors(per_stage):
+            if tp > devices_per_host or devices_per_host % tp:
+                continue
+            dp = per_stage // tp
+            for b in sorted(set(micro_batches)):
+                if b < 1 or batch_size % b or (batch_size // b) % dp:
+                    continue
+                out.append({"dp": dp, "tp": tp, "pp": pp, "micro_batches": b})
+    return out
+
+
+def run_baseline(
+    name: str,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    cluster: ClusterSpec,
+    *,
+    num_layers: int,
+    batch_size: int,
+    micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    schedule: str = "1f1b",
+    progress: Callable[[str], None] | None = None,
+) -> BaselineResult:
+    """Plan every configuration of baseline ``name`` for ``step`` (abstract ``args`` as for
+    ``plan_pipeshard``; the step's layers marked with ``mark_pipeline_boundary``) and keep
+    the fastest simulated one that fits."""
+    if name not in BASELINES:
+        raise ConfigError(f"baseline: {name!r} is not one of {', '.join(BASELINES)}")
+    n, per_host = cluster.num_devices, cluster.devices_per_host
+    if name == "megatron":
+        configs = megatron_configs(n, per_host, num_layers, batch_size, micro_batches)
+        option = ShardParallel(batch_axis=0)
+    else:
+        configs = [
+            {"dp": n, "tp": 1, "pp": 1, "micro_batches": b}
+            for b in sorted(set(micro_batches))
+            if b >= 1 and batch_size % b == 0 and (batch_size // b) % n == 0
+        ]
+        option = ShardParallel(layout={"data-parallel": "data"}.get(name, name.replace("-", "")))
+    t0 = time.perf_counter()
+    best: BaselineResult | None = None
+    infeasible, reasons = 0, []
+    for c in configs:
+        if progress is not None:
+            progress(f"{name}: dp {c['dp']} tp {c['tp']} pp {c['pp']} B {c['micro_batches']}")
+        per_stage = n // c["pp"]
+        submesh = (per_stage // per_host, per_host) if per_stage >= per_host else (1, per_stage)
+        method = PipeshardParallel(
+            num_micro_batches=c["micro_batches"],
+            layer_option=ManualLayerOption(),
+            stage_option=UniformStageOption(c["pp"], submesh, (c["dp"], c["tp"])),
+            pipeline_schedule=schedule,
+            default_auto_sharding_option=option,
+        )
+        try:
+            plan = plan_pipeshard(step, args, method, cluster)
+        except MemoryBudgetError as err:
+            infeasible += 1
+            reasons.append(f"{_label(c)}: {err}")
+            continue
+        seconds, peak, reason = evaluate_plan(plan, cluster)
+        if reason:
+            infeasible += 1
+            reasons.append(f"{_label(c)}: {reason}")
+            continue
+        if best is None or seconds < best.iteration_time:
+            best = BaselineResult(name, seconds, dict(c), peak, plan)
+    elapsed = time.perf_counter() - t0
+    if best is None:
+        why = reasons[0] if reasons else "no configuration divides the batch and devices"
+        return BaselineResult(
+            name, math.inf, tried=len(configs), infeasible=infeasible, reason=why, seconds=elapsed
+        )
+    return dataclasses.replace(best, tried=len(configs), infeasible=infeasible, seconds=elapsed)
+
+
+def run_baselines(
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    cluster: ClusterSpec,
+    *,
+    num_layers: int,
+    batch_size: int,
+    names: Sequence[str] = BASELINES,
+    **options: Any,
+) -> list[BaselineResult]:
+    """``run_baseline`` for each of ``names``."""
+    return [
+        run_baseline(
+            name, step, args, cluster, num_layers=num_layers, batch_size=batch_size, **options
+        )
+        for name in names
+    ]
+
+
+def _label(c: dict[str, int]) -> str:
+    return f"dp={c['dp']} tp={c['tp']} pp={c['pp']} B={c['micro_batches']}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tiles(per_stage: int, per_host: int) -> bool:
+    """Equal submeshes of ``per_stage`` devices tile hosts of ``per_host``."""
+    if per_stage >= per_host:
+        return per_stage % per_host == 0
+    return per_host % per_stage == 0
