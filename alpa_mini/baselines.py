@@ -117,24 +117,28 @@ def run_baseline(
     batch_size: int,
     micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     schedule: str = "1f1b",
+    ilp_option: ShardParallel | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BaselineResult:
     """Plan every configuration of baseline ``name`` for ``step`` (abstract ``args`` as for
     ``plan_pipeshard``; the step's layers marked with ``mark_pipeline_boundary``) and keep
-    the fastest simulated one that fits."""
+    the fastest simulated one that fits. ``ilp_option``: the stage ILPs' backend, time limit
+    and memory budget (its layout options are the baseline's own)."""
     if name not in BASELINES:
         raise ConfigError(f"baseline: {name!r} is not one of {', '.join(BASELINES)}")
     n, per_host = cluster.num_devices, cluster.devices_per_host
+    ilp = ilp_option or ShardParallel()
     if name == "megatron":
         configs = megatron_configs(n, per_host, num_layers, batch_size, micro_batches)
-        option = ShardParallel(batch_axis=0)
+        option = dataclasses.replace(ilp, batch_axis=0, layout="auto")
     else:
         configs = [
             {"dp": n, "tp": 1, "pp": 1, "micro_batches": b}
             for b in sorted(set(micro_batches))
             if b >= 1 and batch_size % b == 0 and (batch_size // b) % n == 0
         ]
-        option = ShardParallel(layout={"data-parallel": "data"}.get(name, name.replace("-", "")))
+        layout = {"data-parallel": "data"}.get(name, name.replace("-", ""))
+        option = dataclasses.replace(ilp, batch_axis=None, layout=layout)
     t0 = time.perf_counter()
     best: BaselineResult | None = None
     infeasible, reasons = 0, []

@@ -82,7 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
+    bench = sub.add_parser(
+        "bench",
+        help="run an evaluation benchmark (from a source checkout) and update BENCHMARKS.md",
+        description="Evaluation benchmarks; arguments after the name go to the benchmark "
+        "(try `alpa-mini bench plan-quality --help`).",
+    )
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     return parser
+
+
+#: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
+BENCHMARKS = {"plan-quality": "plan_quality", "planning-time": "planning_time"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +106,28 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args, console)
     if args.command == "plan":
         return _plan(args, console)
+    if args.command == "bench":
+        return _bench(args, console)
     return 2  # argparse rejects unknown commands before this
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    """Run ``benchmarks/<name>.py`` of the source checkout this package was installed from."""
+    import importlib
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        console.print(
+            f"[red]error:[/] alpa-mini bench {args.name} runs from a source checkout (it needs "
+            f"the benchmarks/ folder beside alpa_mini/, not found under {root}); clone the "
+            "repository and `pip install -e .` there"
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module(f"benchmarks.{BENCHMARKS[args.name]}")
+    return int(module.main(list(args.rest)) or 0)
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:

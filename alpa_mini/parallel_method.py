@@ -137,8 +137,8 @@ def _leading_split(axes: tuple[int, ...], shape: tuple[int, ...]):
 
 def _fully_sharded(axes: tuple[int, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]):
     n = math.prod(mesh_shape[a] for a in axes)
-    if not any(size % n == 0 for size in shape):
-        return _replicated  # too small to split (a step counter, a bias of odd size)
+    if not axes or not any(size % n == 0 for size in shape):
+        return _replicated  # one device, or too small to split (a step counter, an odd bias)
 
     def ok(spec: ShardingSpec) -> bool:
         return sum(1 for d in spec.dims if d) == 1 and spec.used_axes == frozenset(axes)

@@ -207,7 +207,7 @@ def _boundary_bytes(forward: Any, eqn_start: int, eqn_end: int) -> float:
     if eqn_end < len(jaxpr.eqns):  # the last stage's results are the loss, not a send
         read += jaxpr.outvars
     later = {v for v in read if not isinstance(v, Literal) and v in defined}
-    return sum(_nbytes(v.aval) for v in later)
+    return float(sum(_nbytes(v.aval) for v in later))
 
 
 def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):

@@ -77,13 +77,17 @@ class AutoStageOption:
     submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
     host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
-    (what the Ray runtime can run until stage meshes may span hosts).
+    (what the Ray runtime can run without a ``jax.distributed`` group of its hosts).
+    refine: with individual profiling, also solve each chosen stage as one ILP and keep that
+    plan where it is cheaper (one whole-stage ILP per distinct chosen stage: slower planning,
+    and the per-layer composition's boundary resharding no longer inflates the estimate).
     """
 
     profiling: str = "individual"
     logical_shapes: str = "auto"
     memory_budget: float | None = None
     submesh_space: str = "power_of_two"
+    refine: bool = False
 
     def __post_init__(self) -> None:
         if self.profiling not in ("individual", "whole"):
@@ -94,6 +98,8 @@ class AutoStageOption:
             raise ConfigError(
                 f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not 'auto' or '1d'"
             )
+        if not isinstance(self.refine, bool):
+            raise ConfigError(f"AutoStageOption.refine: {self.refine!r} is not True or False")
         if self.submesh_space not in ("power_of_two", "all", "one_host"):
             raise ConfigError(
                 f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two', "

@@ -315,6 +315,13 @@ class _StageModel:
                 opt.input_filter(role, graph.tensors[t].shape, logical)
                 for role, t in zip(roles, graph.inputs, strict=True)
             ]
+        # A parameter's gradient is summed into a buffer laid out like the parameter (where
+        # the optimiser updates it): tie each to its parameter, so that the all-reduce (or
+        # reduce-scatter) that makes it so is priced, not left to the update step.
+        first_grad = len(diff_out) + len(nondiff_out)
+        aliases = [
+            (k, first_grad + k) for k, v in enumerate(diff_in) if self._role(v) == "param"
+        ]
         with self._lock:
             self.stats.ilps_solved += 1
         try:
@@ -323,6 +330,7 @@ class _StageModel:
                 cost,
                 AXIS_NAMES[: len(logical)],
                 input_filters=filters,
+                aliases=aliases,
                 memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
                 backend=opt.backend,
                 time_limit=opt.time_limit,
@@ -498,6 +506,10 @@ def plan_pipeline(
     ):
         if composed is not None:
             sc = composed[s]
+            if isinstance(so, AutoStageOption) and so.refine and i < j and sc is not None:
+                whole = model.cost(starts[i], ends[j], sub, logical)
+                if whole is not None and whole.latency < sc.latency:
+                    sc = whole
         else:
             model.stats.cost_entries += not isinstance(so, AutoStageOption)
             sc = model.cost(starts[i], ends[j], sub, logical)

@@ -1,0 +1,118 @@
+"""Baselines on cases with known answers: which parallelism wins where, which fits where."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import alpa_mini
+from alpa_mini import ClusterSpec, ConfigError, mark_pipeline_boundary
+from alpa_mini.baselines import megatron_configs, run_baseline, run_baselines
+from alpa_mini.models import adam, make_train_step
+
+OPT = adam(1e-3)
+
+
+def _mlp_args(width: int, batch: int, layers: int = 4):
+    """An abstract MLP train step: ``layers`` square ``width`` layers, one pipeline layer
+    each, on ``batch`` rows."""
+
+    def loss(params, b):
+        x = b["x"]
+        for i, w in enumerate(params):
+            x = jnp.tanh(x @ w)
+            if i < len(params) - 1:
+                mark_pipeline_boundary()
+        return jnp.mean((x - b["y"]) ** 2)
+
+    params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * layers
+    batch = {
+        "x": jax.ShapeDtypeStruct((batch, width), jnp.float32),
+        "y": jax.ShapeDtypeStruct((batch, width), jnp.float32),
+    }
+    step = make_train_step(loss, OPT, alpa_mini.value_and_grad)
+    return step, (params, jax.eval_shape(OPT.init, params), batch)
+
+
+CLUSTER = ClusterSpec.named("cpu-1x8").with_hosts(1)
+FOUR = dataclasses.replace(CLUSTER, devices_per_host=4)
+
+
+def test_megatron_grid_is_every_valid_dp_tp_pp_and_micro_batch_count():
+    got = {
+        (c["dp"], c["tp"], c["pp"], c["micro_batches"])
+        for c in megatron_configs(8, 4, num_layers=4, batch_size=16, micro_batches=(1, 2, 16))
+    }
+    want = set()
+    for pp, tps in ((1, (1, 2, 4)), (2, (1, 2, 4)), (4, (1, 2))):  # pp 8 > 4 layers
+        for tp in tps:
+            dp = 8 // pp // tp
+            for b in (1, 2, 16):
+                if 16 % b == 0 and (16 // b) % dp == 0:
+                    want.add((dp, tp, pp, b))
+    assert got == want
+    assert (8, 1, 1, 16) not in got  # a micro-batch of 1 row cannot split over dp 8
+
+
+def test_big_batch_small_weights_data_parallel_wins():
+    """64x64 weights, 4096 rows: data parallel all-reduces 16 KiB of gradient per layer,
+    tensor parallel 1 MiB of activations per layer: the grid picks pure dp."""
+    step, args = _mlp_args(width=64, batch=4096)
+    best = run_baseline(
+        "megatron", step, args, FOUR, num_layers=4, batch_size=4096, micro_batches=(1,)
+    )
+    assert best.config == {"dp": 4, "tp": 1, "pp": 1, "micro_batches": 1}
+    dp = run_baseline(
+        "data-parallel", step, args, FOUR, num_layers=4, batch_size=4096, micro_batches=(1,)
+    )
+    assert dp.iteration_time == pytest.approx(best.iteration_time, rel=1e-6)
+
+
+def test_tiny_batch_wide_weights_tensor_parallel_wins():
+    """1024x1024 weights, 8 rows: the gradient all-reduce (4 MiB per layer) dwarfs the
+    activations (32 KiB), so the grid's best splits the weights, not the batch."""
+    step, args = _mlp_args(width=1024, batch=8)
+    best = run_baseline(
+        "megatron", step, args, FOUR, num_layers=4, batch_size=8, micro_batches=(1,)
+    )
+    dp = run_baseline(
+        "data-parallel", step, args, FOUR, num_layers=4, batch_size=8, micro_batches=(1,)
+    )
+    assert best.config["tp"] > 1
+    assert best.iteration_time < 0.9 * dp.iteration_time
+
+
+def test_what_does_not_fit_is_reported_with_the_reason():
+    """4 layers of 1024x1024 fp32: 16 MiB of weights, 16 of gradients, 32 of Adam state. With
+    40 MiB per device, replicated data parallel (64 MiB) cannot fit; ZeRO-3 on 4 devices
+    (a quarter of each) can."""
+    small = dataclasses.replace(
+        FOUR, device=dataclasses.replace(FOUR.device, memory_bytes=40 * 2**20)
+    )
+    step, args = _mlp_args(width=1024, batch=64)
+    results = {
+        r.name: r
+        for r in run_baselines(
+            step,
+            args,
+            small,
+            num_layers=4,
+            batch_size=64,
+            names=("data-parallel", "zero-3"),
+            micro_batches=(1,),
+        )
+    }
+    dp, z3 = results["data-parallel"], results["zero-3"]
+    assert not dp.feasible and math.isinf(dp.iteration_time)
+    assert dp.infeasible == dp.tried == 1 and "memory_budget" in dp.reason
+    assert z3.feasible and z3.peak_memory <= 40 * 2**20
+
+
+def test_unknown_baseline_is_named():
+    step, args = _mlp_args(width=64, batch=64)
+    with pytest.raises(ConfigError, match=r"baseline: 'fsdp' is not one of data-parallel"):
+        run_baseline("fsdp", step, args, FOUR, num_layers=4, batch_size=64)

@@ -1,0 +1,77 @@
+"""The evaluation benchmarks' arithmetic: growth exponents, ratios against targets, and the
+``alpa-mini bench`` entry point (the benchmarks themselves run outside the test suite)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from alpa_mini.cli import main as cli_main
+from benchmarks.plan_quality import to_csv_rows, to_markdown
+from benchmarks.planning_time import fit_exponents
+
+
+def test_growth_exponents_recover_a_power_law():
+    points = [
+        {"layers": n, "devices": d, "seconds": 0.3 * n**1.5 * d**0.25}
+        for n in (24, 48, 96)
+        for d in (8, 64, 512)
+    ]
+    a, b, r2 = fit_exponents(points)
+    assert a == pytest.approx(1.5) and b == pytest.approx(0.25) and r2 == pytest.approx(1.0)
+
+
+def _result(model, family, ours, baselines):
+    return {
+        "model": model,
+        "family": family,
+        "gpus": 8,
+        "baselines": [
+            {"name": n, "time": t, "config": c, "reason": r, "seconds": 1.0}
+            for n, t, c, r in baselines
+        ],
+        "best_baseline": min(baselines, key=lambda b: b[1])[0],
+        "ours": {
+            "time": ours,
+            "stages": [[0, 3, [1, 8], [2, 4]]] if math.isfinite(ours) else [],
+            "micro_batches": 16,
+            "reasons": [] if math.isfinite(ours) else ["B=16: memory_budget: too big"],
+        },
+        "planning_s": 2.0,
+    }
+
+
+def test_ratios_are_against_the_best_baseline_and_the_family_target():
+    cfg = {"dp": 2, "tp": 4, "pp": 1, "micro_batches": 16}
+    rows = to_csv_rows(
+        [
+            _result(
+                "gpt-x", "gpt", 9.5, [("data-parallel", 12.0, cfg, ""), ("megatron", 10.0, cfg, "")]
+            ),
+            _result("moe-x", "moe", 9.5, [("megatron", 10.0, cfg, "")]),
+            _result("wresnet-x", "wresnet", math.inf, [("zero-3", 4.0, cfg, "")]),
+        ]
+    )
+    gpt, moe, wrn = rows
+    assert (gpt["baseline"], gpt["ratio"], gpt["target"], gpt["met"]) == (
+        "megatron",
+        0.95,
+        1.0,
+        True,
+    )
+    assert (moe["ratio"], moe["target"], moe["met"]) == (0.95, 0.9, False)  # MoE wants <= 0.90
+    assert math.isinf(wrn["ratio"]) and not wrn["met"] and "memory_budget" in wrn["note"]
+    text = to_markdown(rows, "alpa-mini bench plan-quality", 1.0)
+    assert "| moe-x | 8 | megatron | dp2 tp4 pp1 B16 |" in text and "**no**" in text
+    assert "0-3@1x8(2x4)" in text
+
+
+def test_bench_names_its_benchmarks(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "nonsense"])
+    assert "plan-quality" in capsys.readouterr().err
