@@ -94,7 +94,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 #: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
-BENCHMARKS = {"plan-quality": "plan_quality", "planning-time": "planning_time"}
+BENCHMARKS = {
+    "megatron": "megatron_compare",
+    "plan-quality": "plan_quality",
+    "planning-time": "planning_time",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,9 +319,7 @@ class _StageModel:
         # the optimiser updates it): tie each to its parameter, so that the all-reduce (or
         # reduce-scatter) that makes it so is priced, not left to the update step.
         first_grad = len(diff_out) + len(nondiff_out)
-        aliases = [
-            (k, first_grad + k) for k, v in enumerate(diff_in) if self._role(v) == "param"
-        ]
+        aliases = [(k, first_grad + k) for k, v in enumerate(diff_in) if self._role(v) == "param"]
         with self._lock:
             self.stats.ilps_solved += 1
         try:

@@ -42,7 +42,7 @@ SUITES = {
         "wresnet-13b",
     ],
 }
-MICRO_BATCHES = (16, 32, 64)
+MICRO_BATCHES = (32, 64, 128, 256)
 PROG = "alpa-mini bench plan-quality"
 #: Seconds per ILP; a stage ILP stopped here keeps its best feasible plan (both sides).
 ILP_TIME_LIMIT = 20.0

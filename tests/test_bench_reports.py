@@ -75,3 +75,26 @@ def test_bench_names_its_benchmarks(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "nonsense"])
     assert "plan-quality" in capsys.readouterr().err
+
+
+def test_megatron_rows_report_both_layouts_and_the_ratio():
+    from benchmarks.megatron_compare import _micro_batch_counts
+    from benchmarks.megatron_compare import to_markdown as megatron_markdown
+
+    # 512 sequences over dp 32: 1, 2, 4 or 8 per rank and micro-batch
+    assert _micro_batch_counts(512, 32) == [16, 8, 4, 2]
+    assert _micro_batch_counts(24, 16) == []  # 24 does not split over 16 ranks
+    result = {
+        "model": "megatron-x",
+        "gpus": 32,
+        "published": {"dp": 32, "tp": 1, "pp": 1},
+        "theirs": 10.0,
+        "their_B": 8,
+        "their_reasons": [],
+        "ours": 8.0,
+        "our_choice": {"dp": 4, "tp": 8, "pp": 1, "B": 16},
+        "our_reasons": [],
+        "planning_s": 3.0,
+    }
+    text = megatron_markdown([result], "alpa-mini bench megatron", 1.0)
+    assert "| megatron-x | 32 | 32/1/1 (B8) | 10.00 | 4/8/1 (B16) | 8.00 | 0.800 | 3 |" in text

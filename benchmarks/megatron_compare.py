@@ -1,0 +1,230 @@
+"""Megatron-LM's published configurations beside ours: for each row of Megatron-LM's GPT
+table (SC'21 Table 1, bundled as ``megatron-*`` configs), its (dp, tp, pp) and ours, with
+the simulated iteration time of both on A100 hosts of 8.
+
+    alpa-mini bench megatron                            # every row; BENCHMARKS.md + CSV
+    alpa-mini bench megatron --models megatron-1.7b --no-write
+
+Megatron's plan is priced as published: ``pp`` equal stages of ``dp x tp`` devices (tensor
+parallelism inside a host), each stage's layouts the ILP's best on its (dp, tp) mesh, at the
+micro-batch count that fits best (the paper's micro-batch size is not in the table). Ours is
+the stage DP (``refine=True``) over the same micro-batch counts. Each row runs in a fresh
+process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from benchmarks._report import RESULTS, ROOT, update_section
+
+__all__ = ["ROWS", "main", "row"]
+
+PROG = "alpa-mini bench megatron"
+ROWS = (
+    "megatron-1.7b",
+    "megatron-3.6b",
+    "megatron-7.5b",
+    "megatron-18.4b",
+    "megatron-39.1b",
+    "megatron-76.1b",
+    "megatron-145.6b",
+    "megatron-310.1b",
+    "megatron-529.6b",
+    "megatron-1t",
+)
+ILP_TIME_LIMIT = 20.0
+
+
+def _micro_batch_counts(batch: int, dp: int) -> list[int]:
+    """Micro-batch counts that leave each data-parallel rank 1, 2, 4 or 8 sequences."""
+    out = []
+    for per_rank in (1, 2, 4, 8):
+        if batch % (dp * per_rank) == 0:
+            out.append(batch // (dp * per_rank))
+    return out
+
+
+def row(name: str, time_limit: float) -> dict[str, Any]:
+    """Megatron's published configuration and ours for one table row."""
+    import jax
+
+    import alpa_mini
+    from alpa_mini import ClusterSpec
+    from alpa_mini.auto_sharding import MemoryBudgetError
+    from alpa_mini.baselines import evaluate_plan
+    from alpa_mini.model_specs import ModelSpec
+    from alpa_mini.models import adam, make_train_step
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    spec = ModelSpec.named(name)
+    spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, pipeline_marks=True))
+    pub = {"dp": spec.published.dp, "tp": spec.published.tp, "pp": spec.published.pp}
+    cluster = ClusterSpec.named("dgx-a100").with_hosts(spec.gpus // 8)
+    opt = adam(1e-4)
+    params = spec.abstract_params()
+    args = (params, jax.eval_shape(opt.init, params), spec.abstract_batch())
+    step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
+    ilp = alpa_mini.ShardParallel(time_limit=time_limit)
+    per_stage = spec.gpus // pub["pp"]
+    submesh = (per_stage // 8, 8) if per_stage >= 8 else (1, per_stage)
+    counts = _micro_batch_counts(spec.batch_size, pub["dp"])
+
+    def best_of(make_method) -> tuple[float, Any, list[str]]:
+        best, best_plan, reasons = math.inf, None, []
+        for b in counts:
+            try:
+                plan = plan_pipeshard(step, args, make_method(b), cluster)
+            except MemoryBudgetError as err:
+                reasons.append(f"B={b}: {str(err)[:140]}")
+                continue
+            seconds, _, reason = evaluate_plan(plan, cluster)
+            if reason:
+                reasons.append(f"B={b}: {reason}")
+            elif seconds < best:
+                best, best_plan = seconds, plan
+        return best, best_plan, reasons
+
+    t0 = time.perf_counter()
+    theirs, their_plan, their_reasons = best_of(
+        lambda b: alpa_mini.PipeshardParallel(
+            num_micro_batches=b,
+            layer_option=alpa_mini.ManualLayerOption(),
+            stage_option=alpa_mini.UniformStageOption(pub["pp"], submesh, (pub["dp"], pub["tp"])),
+            default_auto_sharding_option=dataclasses.replace(ilp, batch_axis=0),
+        )
+    )
+    their_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ours, our_plan, our_reasons = best_of(
+        lambda b: alpa_mini.PipeshardParallel(
+            num_micro_batches=b,
+            layer_option=alpa_mini.ManualLayerOption(),
+            stage_option=alpa_mini.AutoStageOption(refine=True),
+            default_auto_sharding_option=ilp,
+        )
+    )
+    return {
+        "model": name,
+        "gpus": spec.gpus,
+        "published": pub,
+        "theirs": theirs,
+        "their_B": None if their_plan is None else their_plan.num_micro_batches,
+        "their_reasons": their_reasons,
+        "ours": ours,
+        "our_choice": _summary(our_plan),
+        "our_reasons": our_reasons,
+        "their_seconds": their_seconds,
+        "planning_s": time.perf_counter() - t0,
+    }
+
+
+def _summary(plan: Any) -> dict[str, Any] | None:
+    """Our plan as (dp, tp, pp): pp stages; dp x tp the most common stage's logical mesh
+    (1-D meshes read as tp = their size: the ILP decides what each axis splits)."""
+    if plan is None:
+        return None
+    shapes = Counter(tuple(s.logical_shape) for s in plan.stages)
+    shape = shapes.most_common(1)[0][0]
+    dp, tp = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+    return {
+        "pp": plan.num_stages,
+        "dp": dp,
+        "tp": tp,
+        "B": plan.num_micro_batches,
+        "stage_shapes": {"x".join(map(str, k)): v for k, v in shapes.items()},
+    }
+
+
+def _child(name: str, time_limit: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.megatron_compare", "--child", name,
+         "--time-limit", str(time_limit)],
+        capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=4 * 3600,
+    )  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def to_markdown(results: list[dict[str, Any]], command: str, wall: float) -> str:
+    lines = [
+        "## Megatron-LM's published configurations beside ours",
+        "",
+        f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). Rows of "
+        "Megatron-LM's GPT table (SC'21 Table 1) on `dgx-a100` hosts; both plans priced by "
+        "the same cost model and pipeline simulator. Megatron: its published (dp, tp, pp), "
+        "equal stages, at the best micro-batch count that fits; ours: the stage DP with "
+        "`refine=True` over the same counts. Our (dp, tp) is the most common stage mesh.",
+        "",
+        "| model | GPUs | Megatron dp/tp/pp | Megatron s | ours dp/tp/pp | ours s | "
+        "ours / Megatron | our planning s |",
+        "|---|---:|---|---:|---|---:|---:|---:|",
+    ]
+    notes = []
+    for r in results:
+        p, o = r["published"], r["our_choice"]
+        mine = "–" if o is None else f"{o['dp']}/{o['tp']}/{o['pp']} (B{o['B']})"
+        ratio = r["ours"] / r["theirs"] if math.isfinite(r["theirs"]) else math.nan
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {p['dp']}/{p['tp']}/{p['pp']} (B{r['their_B']}) | "
+            f"{r['theirs']:.2f} | {mine} | {r['ours']:.2f} | {ratio:.3f} | "
+            f"{r['planning_s']:.0f} |"
+        )
+        if not math.isfinite(r["theirs"]):
+            notes.append(f"- {r['model']}, Megatron: " + "; ".join(r["their_reasons"])[:300])
+        if not math.isfinite(r["ours"]):
+            notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
+    return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(ROWS))
+    parser.add_argument("--time-limit", type=float, default=ILP_TIME_LIMIT)
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.child:
+        print("RESULT " + json.dumps(row(opts.child, opts.time_limit)), flush=True)
+        return 0
+    models = [m for m in opts.models.split(",") if m]
+    unknown = [m for m in models if m not in ROWS]
+    if unknown:
+        parser.error(f"--models: {unknown[0]!r} is not a table row; rows: {', '.join(ROWS)}")
+    command = f"{PROG} " + " ".join(argv if argv is not None else [])
+    t0 = time.perf_counter()
+    results = []
+    for name in models:
+        print(f"{name} ...", flush=True)
+        results.append(_child(name, opts.time_limit))
+        print(json.dumps(results[-1]), flush=True)
+    text = to_markdown(results, command.strip(), time.perf_counter() - t0)
+    print(text)
+    if opts.no_write:
+        return 0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with (RESULTS / "megatron.csv").open("w", newline="") as f:
+        fields = ["model", "gpus", "published", "theirs", "their_B", "ours", "our_choice"]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    update_section("megatron", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
