@@ -78,9 +78,9 @@ class AutoStageOption:
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
     host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
     (what the Ray runtime can run without a ``jax.distributed`` group of its hosts).
-    refine: with individual profiling, also solve each chosen stage as one ILP and keep that
-    plan where it is cheaper (one whole-stage ILP per distinct chosen stage: slower planning,
-    and the per-layer composition's boundary resharding no longer inflates the estimate).
+    refine: with individual profiling, also solve each chosen stage as one ILP on every
+    logical mesh of its submesh and keep the cheapest (whole-stage ILPs per distinct chosen
+    stage: slower planning; the composition's estimate no longer decides the final plan).
     """
 
     profiling: str = "individual"

@@ -504,10 +504,13 @@ def plan_pipeline(
     ):
         if composed is not None:
             sc = composed[s]
-            if isinstance(so, AutoStageOption) and so.refine and i < j and sc is not None:
-                whole = model.cost(starts[i], ends[j], sub, logical)
-                if whole is not None and whole.latency < sc.latency:
-                    sc = whole
+            if isinstance(so, AutoStageOption) and so.refine and sc is not None:
+                # Every logical mesh of the chosen submesh, solved whole: the composition
+                # ranks meshes by an estimate, the whole ILP by the stage's own cost.
+                for shape in logical_shapes(sub, so.logical_shapes):
+                    whole = model.cost(starts[i], ends[j], sub, shape)
+                    if whole is not None and whole.latency < sc.latency:
+                        sc, logical = whole, shape
         else:
             model.stats.cost_entries += not isinstance(so, AutoStageOption)
             sc = model.cost(starts[i], ends[j], sub, logical)

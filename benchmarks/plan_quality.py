@@ -296,23 +296,26 @@ def main(argv: list[str] | None = None) -> int:
     command = "alpa-mini bench plan-quality " + " ".join(argv if argv is not None else [])
     t0 = time.perf_counter()
     results = []
-    for name in models:
+    for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
         results.append(_child(name, micro, opts.time_limit))
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
+        if not opts.no_write:  # after every row: a long run that stops keeps what it measured
+            partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
+            _write(results, command.strip() + partial, time.perf_counter() - t0)
+    print(to_markdown(to_csv_rows(results), command.strip(), time.perf_counter() - t0))
+    return 0
+
+
+def _write(results: list[dict[str, Any]], command: str, wall: float) -> None:
     rows = to_csv_rows(results)
-    text = to_markdown(rows, command.strip(), time.perf_counter() - t0)
-    print(text)
-    if opts.no_write:
-        return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "plan-quality.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     (RESULTS / "plan-quality.json").write_text(json.dumps(results, indent=1))
-    update_section("plan-quality", text)
-    return 0
+    update_section("plan-quality", to_markdown(rows, command, wall))
 
 
 if __name__ == "__main__":
