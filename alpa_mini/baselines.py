@@ -11,6 +11,9 @@ simulator as our own plans.
   layouts are the ILP's best on its (dp, tp) mesh, which on transformer layers is Megatron's
   own column/row split, so this is Megatron's configuration search, not a weaker stand-in.
 
+Stage ILPs tie each gradient to its parameter's layout (``gradient_sync="ilp"``), so the
+gradient all-reduce of data parallelism is priced and weighed against tensor parallelism.
+
 A configuration that does not fit in device memory (the ILP finds no layout within the
 budget, or the simulated peak with the schedule's micro-batches in flight exceeds it) is
 reported as infeasible with the reason, never silently dropped.
@@ -153,6 +156,7 @@ def run_baseline(
             stage_option=UniformStageOption(c["pp"], submesh, (c["dp"], c["tp"])),
             pipeline_schedule=schedule,
             default_auto_sharding_option=option,
+            gradient_sync="ilp",
         )
         try:
             plan = plan_pipeshard(step, args, method, cluster)

@@ -205,7 +205,12 @@ class PipeshardParallel:
 
     num_micro_batches: B, the batch is split along its leading dimension.
     pipeline_schedule: "1f1b" or "gpipe". default_auto_sharding_option: ILP options per stage
-    (a ``ShardParallel``; its backend, time_limit and memory_budget are used).
+    (a ``ShardParallel``; its backend, time_limit, memory_budget, layout and batch_axis).
+    gradient_sync: how a stage prices bringing each parameter's gradient into the
+    parameter's layout (where the optimiser applies it). "after": priced once the stage's
+    ILP is solved (fast; the ILP does not see it). "ilp": tied inside the ILP, which then
+    also picks layouts that avoid it (better plans where it matters, e.g. tensor against
+    data parallelism of wide layers; MIPs up to 10x slower on large stages).
     """
 
     num_micro_batches: int = 1
@@ -215,6 +220,7 @@ class PipeshardParallel:
     )
     pipeline_schedule: str = "1f1b"
     default_auto_sharding_option: ShardParallel = field(default_factory=ShardParallel)
+    gradient_sync: str = "after"
     plan: Any = None  # a PipeshardPlan to replay without planning
 
     @classmethod
@@ -244,6 +250,10 @@ class PipeshardParallel:
             raise ConfigError(
                 f"PipeshardParallel.stage_option: {self.stage_option!r} is not an "
                 "AutoStageOption, UniformStageOption or ManualStageOption"
+            )
+        if self.gradient_sync not in ("after", "ilp"):
+            raise ConfigError(
+                f"PipeshardParallel.gradient_sync: {self.gradient_sync!r} is not 'after' or 'ilp'"
             )
         sched = str(self.pipeline_schedule).lower()
         if sched not in SCHEDULES:

@@ -315,11 +315,13 @@ class _StageModel:
                 opt.input_filter(role, graph.tensors[t].shape, logical)
                 for role, t in zip(roles, graph.inputs, strict=True)
             ]
-        # A parameter's gradient is summed into a buffer laid out like the parameter (where
-        # the optimiser updates it): tie each to its parameter, so that the all-reduce (or
-        # reduce-scatter) that makes it so is priced, not left to the update step.
+        # gradient_sync="ilp": each parameter's gradient is an output tied to the parameter's
+        # layout, so the ILP prices (and avoids) the all-reduce or gather that makes it so.
         first_grad = len(diff_out) + len(nondiff_out)
-        aliases = [(k, first_grad + k) for k, v in enumerate(diff_in) if self._role(v) == "param"]
+        tie = self.method.gradient_sync == "ilp"
+        aliases = [
+            (k, first_grad + k) for k, v in enumerate(diff_in) if tie and self._role(v) == "param"
+        ]
         with self._lock:
             self.stats.ilps_solved += 1
         try:
@@ -340,7 +342,8 @@ class _StageModel:
         }
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
         return StageCost(
-            latency=plan.predicted_time,
+            latency=plan.predicted_time
+            + (0.0 if tie else self._gradient_sync(plan, cost, diff_in, first_grad)),
             peak_memory=plan.peak_memory,
             residual_bytes=res_total / n_dev,
             state_bytes=state,
@@ -348,6 +351,22 @@ class _StageModel:
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
         )
+
+    def _gradient_sync(self, plan, cost, diff_in, first_grad: int) -> float:
+        """Seconds to bring each parameter's gradient into the parameter's layout, where the
+        optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
+        replicated one), priced after the solve (``gradient_sync="after"``: tying it inside
+        the ILP made GPT-39B's planning 9.6 s -> 88 s)."""
+        seconds = 0.0
+        for k, v in enumerate(diff_in):
+            if self._role(v) != "param":
+                continue
+            grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
+            if grad is None or param is None or grad == param:
+                continue
+            size = np.dtype(v.aval.dtype).itemsize
+            seconds += cost.reshard(tuple(v.aval.shape), size, grad, param)
+        return seconds
 
 
 def _cpu_count() -> int:

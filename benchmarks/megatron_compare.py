@@ -103,6 +103,7 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
             layer_option=alpa_mini.ManualLayerOption(),
             stage_option=alpa_mini.UniformStageOption(pub["pp"], submesh, (pub["dp"], pub["tp"])),
             default_auto_sharding_option=dataclasses.replace(ilp, batch_axis=0),
+            gradient_sync="ilp",
         )
     )
     their_seconds = time.perf_counter() - t0
@@ -113,6 +114,7 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
             layer_option=alpa_mini.ManualLayerOption(),
             stage_option=alpa_mini.AutoStageOption(refine=True),
             default_auto_sharding_option=ilp,
+            gradient_sync="ilp",
         )
     )
     return {
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in ROWS]
     if unknown:
         parser.error(f"--models: {unknown[0]!r} is not a table row; rows: {', '.join(ROWS)}")
-    command = f"{PROG} " + " ".join(argv if argv is not None else [])
+    command = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     results = []
     for name in models:

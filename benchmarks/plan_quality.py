@@ -104,6 +104,7 @@ def row(name: str, micro_batches: tuple[int, ...], time_limit: float) -> dict[st
             layer_option=alpa_mini.ManualLayerOption(),
             stage_option=alpa_mini.AutoStageOption(refine=True),
             default_auto_sharding_option=ilp,
+            gradient_sync="ilp",
         )
         try:
             plan = plan_pipeshard(step, args, method, cluster)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in every]
     if unknown:
         parser.error(f"--models: {unknown[0]!r} is not a suite row; rows: {', '.join(every)}")
-    command = "alpa-mini bench plan-quality " + " ".join(argv if argv is not None else [])
+    command = "alpa-mini bench plan-quality " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     results = []
     for k, name in enumerate(models):

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in devices if d < 8 or d % 8]
     if bad:
         parser.error(f"--devices: {bad[0]} is invalid; expected multiples of 8 (whole hosts)")
-    command = "alpa-mini bench planning-time " + " ".join(argv if argv is not None else [])
+    command = "alpa-mini bench planning-time " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     points = []
     for d in devices:

@@ -116,3 +116,26 @@ def test_unknown_baseline_is_named():
     step, args = _mlp_args(width=64, batch=64)
     with pytest.raises(ConfigError, match=r"baseline: 'fsdp' is not one of data-parallel"):
         run_baseline("fsdp", step, args, FOUR, num_layers=4, batch_size=64)
+
+
+def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
+    """Data parallel of wide layers (4 layers of 1024x1024, 8 rows, 4 devices): each
+    replicated parameter's gradient needs a sync, priced either way; inside the ILP
+    ("ilp") the free ILP then prefers splitting the weights, which is cheaper."""
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    step, args = _mlp_args(width=1024, batch=8)
+
+    def latency(layout, sync):
+        method = alpa_mini.PipeshardParallel(
+            stage_option=alpa_mini.UniformStageOption(1, (1, 4)),
+            default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
+            gradient_sync=sync,
+        )
+        return plan_pipeshard(step, args, method, FOUR).stages[0].latency
+
+    data_after, data_ilp = latency("data", "after"), latency("data", "ilp")
+    free_after, free_ilp = latency("auto", "after"), latency("auto", "ilp")
+    # 4 MiB of gradient per layer to all-reduce (or all-gather) on 4 devices: milliseconds
+    assert data_after > free_ilp and data_ilp > free_ilp
+    assert free_ilp < free_after  # seeing the sync, the ILP avoids most of it

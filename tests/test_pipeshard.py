@@ -204,6 +204,8 @@ def test_jax_grad_is_rejected_with_a_clear_error():
         (lambda: ManualStageOption(((0,),), ((1, 1), (1, 1))), "submesh_physical_shapes"),
         (lambda: AutoLayerOption(0), "layer_num"),
         (lambda: AutoStageOption(profiling="exact"), "profiling"),
+        (lambda: AutoStageOption(refine="yes"), "refine"),
+        (lambda: PipeshardParallel(gradient_sync="never"), "gradient_sync"),
     ],
 )
 def test_bad_options_name_the_field(make, field):
