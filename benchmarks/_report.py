@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "BENCHMARKS.md"
@@ -27,3 +32,22 @@ def update_section(name: str, markdown: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     REPORT.write_text(text)
+
+
+def run_child(module: str, args: list[str], timeout: float) -> Any:
+    """Run ``python -m module args`` from the repository root in a fresh process (its own
+    JAX, no warm caches) and return the JSON it prints on a ``RESULT `` line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=timeout,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(
+            f"{module} {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
+    return json.loads(line[len("RESULT ") :])

@@ -20,14 +20,12 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from collections import Counter
 from typing import Any
 
-from benchmarks._report import RESULTS, ROOT, update_section
+from benchmarks._report import RESULTS, run_child, update_section
 
 __all__ = ["ROWS", "main", "row"]
 
@@ -150,16 +148,8 @@ def _summary(plan: Any) -> dict[str, Any] | None:
 
 
 def _child(name: str, time_limit: float) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.megatron_compare", "--child", name,
-         "--time-limit", str(time_limit)],
-        capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=4 * 3600,
-    )  # fmt: skip
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    args = ["--child", name, "--time-limit", str(time_limit)]
+    return run_child("benchmarks.megatron_compare", args, timeout=4 * 3600)
 
 
 def to_markdown(results: list[dict[str, Any]], command: str, wall: float) -> str:

@@ -19,13 +19,11 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks._report import RESULTS, ROOT, update_section
+from benchmarks._report import RESULTS, run_child, update_section
 
 __all__ = ["SUITES", "cluster_for", "main", "row", "to_csv_rows", "to_markdown"]
 
@@ -253,28 +251,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float) -> str:
 
 
 def _child(name: str, micro_batches: tuple[int, ...], time_limit: float) -> dict[str, Any]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.plan_quality",
-            "--child",
-            name,
-            "--micro-batches",
-            ",".join(map(str, micro_batches)),
-            "--time-limit",
-            str(time_limit),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=4 * 3600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    micro = ",".join(map(str, micro_batches))
+    args = ["--child", name, "--micro-batches", micro, "--time-limit", str(time_limit)]
+    return run_child("benchmarks.plan_quality", args, timeout=4 * 3600)
 
 
 def main(argv: list[str] | None = None) -> int:

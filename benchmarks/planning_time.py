@@ -18,15 +18,13 @@ import csv
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks._report import RESULTS, ROOT, update_section
+from benchmarks._report import RESULTS, run_child, update_section
 
 __all__ = ["fit_exponents", "main", "point"]
 
@@ -111,18 +109,8 @@ def _plot(points: list[dict[str, Any]], path: Any) -> None:
 
 
 def _child(layers: int, devices: int) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.planning_time", "--child", f"{layers},{devices}"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=3600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{layers}x{devices} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    args = ["--child", f"{layers},{devices}"]
+    return run_child("benchmarks.planning_time", args, timeout=3600)
 
 
 def main(argv: list[str] | None = None) -> int:
