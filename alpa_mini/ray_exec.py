@@ -95,8 +95,9 @@ def split_stream(
     earlier; sends never block.
     """
     args = set(arg_names)
-    streams: dict[int, list[Instruction]] = {h: [] for hs in stage_hosts for h in hs}
-    streams = dict(sorted(streams.items()))
+    streams: dict[int, list[Instruction]] = {
+        h: [] for h in sorted({h for hs in stage_hosts for h in hs})
+    }
     needs: dict[int, set[str]] = {h: set() for h in streams}
     where: dict[str, tuple[int, ...]] = {}
     mesh_of: dict[str, int] = {}
@@ -117,7 +118,7 @@ def split_stream(
                 emit(hs, ins)
             elif src not in where:
                 raise ValueError(f"stream: Put reads {src!r} before any instruction writes it")
-            elif mesh_of[src] == ins.mesh or where[src] == hs == (hs[0],):
+            elif mesh_of[src] == ins.mesh or (len(hs) == 1 and where[src] == hs):
                 emit(hs, ins)  # the same mesh, or one host to itself
             else:
                 _transfer(ins, where[src], mesh_of[src], hs, streams)
@@ -207,7 +208,10 @@ class WorkerBuilder:
             "out_names": compiled.out_names,
             "out_literals": compiled.out_literals,
             "out_devices": spread,
-            "arg_meshes": split.arg_meshes,
+            "arg_devices": {  # the device sets (plan devices) each step input is put on
+                n: {tuple(sorted(plan.stages[m].devices)) for m in meshes}
+                for n, meshes in split.arg_meshes.items()
+            },
         }
         return (
             compiled.programs,
@@ -232,7 +236,7 @@ class RayPipeshardExecutable:
     out_names: list[str | None]
     out_literals: dict[int, Any]
     out_devices: dict[str, tuple[int, ...]]  # plan devices of outputs sharded over hosts
-    arg_meshes: dict[str, set[int]]  # the meshes each step input is put on
+    arg_devices: dict[str, set[tuple[int, ...]]]  # plan devices each step input is put on
     in_tree: Any
     out_tree: Any
     static_argnums: tuple[int, ...]
@@ -303,10 +307,8 @@ class RayPipeshardExecutable:
             here = dict(leaf.keys).get(host)
             if here is not None and len(leaf.keys) == 1:
                 return Resident(here)
-            if here is not None:
-                meshes = self.arg_meshes.get(name, ())
-                if {tuple(sorted(self.plan.stages[m].devices)) for m in meshes} == {leaf.devices}:
-                    return Resident(here)
+            if here is not None and self.arg_devices.get(name) == {leaf.devices}:
+                return Resident(here)
         return np.asarray(leaf)
 
 
@@ -421,7 +423,7 @@ def compile_pipeshard_ray(
         out_names=list(meta["out_names"]),
         out_literals=dict(meta["out_literals"]),
         out_devices=dict(meta["out_devices"]),
-        arg_meshes=dict(meta["arg_meshes"]),
+        arg_devices=dict(meta["arg_devices"]),
         in_tree=in_tree,
         out_tree=jax.tree.structure(out_shape),
         static_argnums=tuple(i for i, _ in static),

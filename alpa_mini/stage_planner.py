@@ -308,20 +308,20 @@ class _StageModel:
         # Optimiser state is sharded over the stage's devices, except under plain data
         # parallelism, which keeps a whole copy on every device.
         state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
+        roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
         filters = None
         if opt.layout != "auto" or opt.batch_axis is not None:  # a preset pins input layouts
-            roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
             filters = [
                 opt.input_filter(role, graph.tensors[t].shape, logical)
                 for role, t in zip(roles, graph.inputs, strict=True)
             ]
-        # gradient_sync="ilp": each parameter's gradient is an output tied to the parameter's
-        # layout, so the ILP prices (and avoids) the all-reduce or gather that makes it so.
+        # Input k of a parameter has its gradient at output first_grad + k. With
+        # gradient_sync="ilp" the two are tied, so the ILP prices (and avoids) the all-reduce
+        # or gather that brings the gradient into the parameter's layout.
         first_grad = len(diff_out) + len(nondiff_out)
+        params = [k for k in range(len(diff_in)) if roles[k] == "param"]
         tie = self.method.gradient_sync == "ilp"
-        aliases = [
-            (k, first_grad + k) for k, v in enumerate(diff_in) if tie and self._role(v) == "param"
-        ]
+        aliases = [(k, first_grad + k) for k in params] if tie else []
         with self._lock:
             self.stats.ilps_solved += 1
         try:
@@ -343,7 +343,7 @@ class _StageModel:
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
         return StageCost(
             latency=plan.predicted_time
-            + (0.0 if tie else self._gradient_sync(plan, cost, diff_in, first_grad)),
+            + (0.0 if tie else _gradient_sync(plan, cost, diff_in, params, first_grad)),
             peak_memory=plan.peak_memory,
             residual_bytes=res_total / n_dev,
             state_bytes=state,
@@ -352,21 +352,20 @@ class _StageModel:
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
         )
 
-    def _gradient_sync(self, plan, cost, diff_in, first_grad: int) -> float:
-        """Seconds to bring each parameter's gradient into the parameter's layout, where the
-        optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
-        replicated one), priced after the solve (``gradient_sync="after"``: tying it inside
-        the ILP made GPT-39B's planning 9.6 s -> 88 s)."""
-        seconds = 0.0
-        for k, v in enumerate(diff_in):
-            if self._role(v) != "param":
-                continue
-            grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
-            if grad is None or param is None or grad == param:
-                continue
-            size = np.dtype(v.aval.dtype).itemsize
-            seconds += cost.reshard(tuple(v.aval.shape), size, grad, param)
-        return seconds
+
+def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:
+    """Seconds to bring each parameter's gradient into the parameter's layout, where the
+    optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
+    replicated one), priced after the solve (``gradient_sync="after"``: tying it inside the
+    ILP made GPT-39B's planning 9.6 s -> 88 s)."""
+    seconds = 0.0
+    for k in params:
+        grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
+        if grad is None or param is None or grad == param:
+            continue
+        aval = diff_in[k].aval
+        seconds += cost.reshard(tuple(aval.shape), np.dtype(aval.dtype).itemsize, grad, param)
+    return seconds
 
 
 def _cpu_count() -> int:
@@ -523,7 +522,7 @@ def plan_pipeline(
     ):
         if composed is not None:
             sc = composed[s]
-            if isinstance(so, AutoStageOption) and so.refine and sc is not None:
+            if so.refine and sc is not None:  # composed: auto stages, individual profiling
                 # Every logical mesh of the chosen submesh, solved whole: the composition
                 # ranks meshes by an estimate, the whole ILP by the stage's own cost.
                 for shape in logical_shapes(sub, so.logical_shapes):

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from .instructions import Accumulate, Free, Instruction, Put, Run
+from .instructions import Accumulate, Free, Gather, Instruction, Put, Run
 
 __all__ = ["InstructionTiming", "LocalRuntime"]
 
@@ -80,7 +80,7 @@ class LocalRuntime:
         """The buffers ``ins`` writes."""
         if isinstance(ins, Run):
             return ins.outputs
-        if isinstance(ins, Put | Accumulate):
+        if isinstance(ins, Put | Accumulate | Gather):
             return (ins.dst,)
         return ()
 

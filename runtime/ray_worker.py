@@ -166,8 +166,7 @@ class HostWorker:
                 else:
                     runtime.execute_one(ins, buffers)
                 if self._throttle:
-                    written = (ins.dst,) if isinstance(ins, Gather) else runtime.written(ins)
-                    in_flight.append([buffers[n] for n in written if n in buffers])
+                    in_flight.append([buffers[n] for n in runtime.written(ins) if n in buffers])
                     if len(in_flight) > CPU_GROUP_IN_FLIGHT:
                         jax.block_until_ready(in_flight.popleft())
         outs = {name: buffers[name] for name in holds}

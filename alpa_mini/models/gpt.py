@@ -37,6 +37,7 @@ from alpa_mini.cluster import ConfigError
 from alpa_mini.pipeline_marker import mark_pipeline_boundary
 
 from .mlp import (
+    check_bools,
     check_positive_int,
     init_layer_norm,
     layer_norm,
@@ -63,6 +64,16 @@ __all__ = [
 Params = dict[str, Any]
 
 DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def check_dtype(owner: str, dtype: str) -> None:
+    """Raise a ``ConfigError`` naming ``owner.dtype`` unless it is one of ``DTYPES``."""
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"{owner}.dtype: {dtype!r} is invalid; expected one of {', '.join(sorted(DTYPES))}"
+        )
+
+
 INIT_STD = 0.02  # GPT-2's initialiser scale; keeps the loss at init close to log(vocab)
 
 
@@ -88,16 +99,8 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.num_heads: {self.num_heads} does not divide hidden {self.hidden}"
             )
-        for name in ("scan_layers", "remat", "pipeline_marks"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(
-                    f"GPTConfig.{name}: {getattr(self, name)!r} is invalid; expected a bool"
-                )
-        if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"GPTConfig.dtype: {self.dtype!r} is invalid; "
-                f"expected one of {', '.join(sorted(DTYPES))}"
-            )
+        check_bools("GPTConfig", self, ("scan_layers", "remat", "pipeline_marks"))
+        check_dtype("GPTConfig", self.dtype)
 
     @property
     def head_dim(self) -> int:

@@ -60,6 +60,15 @@ def check_positive_int(owner: str, name: str, value: object) -> None:
         raise ConfigError(f"{owner}.{name}: {value!r} is invalid; expected an integer >= 1")
 
 
+def check_bools(owner: str, config: object, names: tuple[str, ...]) -> None:
+    """Raise a ``ConfigError`` naming ``owner.name`` for the first field that is not a bool."""
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(
+                f"{owner}.{name}: {getattr(config, name)!r} is invalid; expected a bool"
+            )
+
+
 def count_params(params: Any) -> int:
     """Total number of scalars in a pytree of arrays or ``jax.ShapeDtypeStruct`` leaves."""
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))

@@ -59,8 +59,9 @@ import jax.numpy as jnp
 from alpa_mini.cluster import ConfigError
 from alpa_mini.pipeline_marker import mark_pipeline_boundary
 
-from .gpt import DTYPES, INIT_STD, GPTConfig, _attention, make_gpt_batch
+from .gpt import DTYPES, INIT_STD, GPTConfig, _attention, check_dtype, make_gpt_batch
 from .mlp import (
+    check_bools,
     check_positive_int,
     init_layer_norm,
     layer_norm,
@@ -265,16 +266,8 @@ class MoELMConfig:
                     f"divisor of seq_len {s} (or null for one group per sequence)"
                 )
         _check_capacity_factor("MoELMConfig", self.capacity_factor)
-        for name in ("remat", "pipeline_marks"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(
-                    f"MoELMConfig.{name}: {getattr(self, name)!r} is invalid; expected a bool"
-                )
-        if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"MoELMConfig.dtype: {self.dtype!r} is invalid; "
-                f"expected one of {', '.join(sorted(DTYPES))}"
-            )
+        check_bools("MoELMConfig", self, ("remat", "pipeline_marks"))
+        check_dtype("MoELMConfig", self.dtype)
 
     @property
     def ffn(self) -> int:

@@ -66,8 +66,9 @@ import jax.numpy as jnp
 from alpa_mini.cluster import ConfigError
 from alpa_mini.pipeline_marker import mark_pipeline_boundary
 
-from .gpt import DTYPES
+from .gpt import DTYPES, check_dtype
 from .mlp import (
+    check_bools,
     check_positive_int,
     init_layer_norm,
     layer_norm,
@@ -151,16 +152,8 @@ class WideResNetConfig:
                     f"WideResNetConfig.num_blocks: {self.num_blocks} is invalid; stage_sizes "
                     f"{stages} has {sum(stages)} blocks"
                 )
-        if not isinstance(self.pipeline_marks, bool):
-            raise ConfigError(
-                f"WideResNetConfig.pipeline_marks: {self.pipeline_marks!r} is invalid; "
-                "expected a bool"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(
-                f"WideResNetConfig.dtype: {self.dtype!r} is invalid; "
-                f"expected one of {', '.join(sorted(DTYPES))}"
-            )
+        check_bools("WideResNetConfig", self, ("pipeline_marks",))
+        check_dtype("WideResNetConfig", self.dtype)
 
 
 def _bottleneck_plan(config: WideResNetConfig) -> list[tuple[int, int, bool]]:
