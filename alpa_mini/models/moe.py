@@ -59,7 +59,15 @@ import jax.numpy as jnp
 from alpa_mini.cluster import ConfigError
 from alpa_mini.pipeline_marker import mark_pipeline_boundary
 
-from .gpt import DTYPES, INIT_STD, GPTConfig, _attention, check_dtype, make_gpt_batch
+from .gpt import (
+    DTYPES,
+    INIT_STD,
+    GPTConfig,
+    _attention,
+    check_dtype,
+    gpt_abstract_batch,
+    make_gpt_batch,
+)
 from .mlp import (
     check_bools,
     check_positive_int,
@@ -509,5 +517,4 @@ def moe_lm_abstract_params(config: MoELMConfig) -> Params:
 def moe_lm_abstract_batch(config: MoELMConfig, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
     """A batch of ``jax.ShapeDtypeStruct`` leaves, for tracing without data."""
     check_positive_int("moe_lm_abstract_batch", "batch_size", batch_size)
-    spec = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
-    return {"tokens": spec, "labels": spec}
+    return gpt_abstract_batch(_dense_view(config), batch_size)
