@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from .profile_db import ProfileDB, ProfileError
+
 __all__ = [
     "ClusterSpec",
     "ConfigError",
@@ -146,6 +148,7 @@ class ClusterSpec:
     device: DeviceKind
     intra_host: Link
     inter_host: Link
+    profile: ProfileDB | None = None  # measured figures that replace the nominal ones
 
     def __post_init__(self) -> None:
         _count("num_hosts", self.num_hosts)
@@ -159,10 +162,26 @@ class ClusterSpec:
         """The same hardware with another host count (configs describe a host type)."""
         return dataclasses.replace(self, num_hosts=_count("num_hosts", num_hosts))
 
+    def with_profile(self, profile: ProfileDB | None) -> ClusterSpec:
+        """The same cluster priced with measured figures (``alpa_mini.profile_devices``):
+        compute by the profile's per-device throughput for a mesh's size, and collectives by
+        its fits where it measured that kind and group size (else by the links)."""
+        if profile is not None and not isinstance(profile, ProfileDB):
+            raise ConfigError(f"profile: expected a ProfileDB or None, got {profile!r}")
+        return dataclasses.replace(self, profile=profile)
+
     # ------------------------------------------------------------------ I/O
     @classmethod
     def from_dict(cls, data: Any) -> ClusterSpec:
         fields = {"name", "num_hosts", "devices_per_host", "device", "intra_host", "inter_host"}
+        profile = None
+        if isinstance(data, dict) and "profile" in data:
+            data = dict(data)
+            raw = data.pop("profile")
+            try:
+                profile = None if raw is None else ProfileDB.from_dict(raw, "cluster.profile")
+            except ProfileError as err:
+                raise ConfigError(str(err)) from None
         data = _mapping("cluster", data, fields)
         return cls(
             name=str(data["name"]),
@@ -171,6 +190,7 @@ class ClusterSpec:
             device=DeviceKind.from_dict(data["device"], "cluster.device"),
             intra_host=Link.from_dict(data["intra_host"], "cluster.intra_host"),
             inter_host=Link.from_dict(data["inter_host"], "cluster.inter_host"),
+            profile=profile,
         )
 
     @classmethod
@@ -298,7 +318,11 @@ class ClusterSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, profile=None))
+        del out["profile"]
+        if self.profile is not None:
+            out["profile"] = self.profile.to_dict()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -5,6 +5,11 @@ all-reduce alpha + 2 beta (n-1)/n B; all-gather (B = the gathered result) and re
 (B = the full input) alpha + beta (n-1)/n B; all-to-all alpha + beta (n-1)/n^2 B n/2 =
 alpha + beta (n-1)/(2n) B. A collective over several mesh axes runs as one group of the
 product size and pays the slowest axis's link (the one with the largest alpha and beta).
+
+A cluster with a ``ProfileDB`` (``ClusterSpec.with_profile``) is priced with measured figures
+instead: compute by the per-device throughput measured with as many devices busy as the mesh
+has, and a collective by the alpha-beta fit for its kind and group size where the profile has
+one (the same formulas, so only alpha and beta change).
 """
 
 from __future__ import annotations
@@ -28,28 +33,49 @@ class CostModel:
     _reshard_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ compute
-    def compute(self, flops: float, bytes_accessed: float, dtype: str, parallel: int) -> float:
-        """Roofline time of work split over ``parallel`` devices (the rest redo it)."""
-        device = self.cluster.device
-        return max(flops / device.flops_for(dtype), bytes_accessed / device.memory_bandwidth) / max(
-            parallel, 1
-        )
+    def compute(
+        self, flops: float, bytes_accessed: float, dtype: str, parallel: int, primitive: str = ""
+    ) -> float:
+        """Roofline time of work split over ``parallel`` devices (the rest redo it); with a
+        profile, ``primitive``'s class may have its own measured rate."""
+        profile = self.cluster.profile
+        if profile is not None:
+            fit = profile.compute_for(self.mesh.num_devices)
+            peak, bandwidth = fit.rate_for(primitive), fit.memory_bandwidth
+        else:
+            peak = self.cluster.device.flops_for(dtype)
+            bandwidth = self.cluster.device.memory_bandwidth
+        return max(flops / peak, bytes_accessed / bandwidth) / max(parallel, 1)
+
+    def program_overhead(self, kernels: float, launches: int) -> float:
+        """Fixed costs a roofline misses, from the profile: ``launches`` program starts and
+        ``kernels`` kernels' own overhead on this mesh's devices (0 without a profile: the
+        nominal figures have none)."""
+        profile = self.cluster.profile
+        if profile is None:
+            return 0.0
+        fit = profile.compute_for(self.mesh.num_devices)
+        return launches * fit.launch_overhead + kernels * fit.kernel_overhead
 
     # ------------------------------------------------------------------ collectives
-    def _group(self, axes: Sequence[int]) -> tuple[int, float, float]:
+    def _group(self, axes: Sequence[int], kind: str) -> tuple[int, float, float]:
         axes = [a for a in axes if self.mesh.shape[a] > 1]
         if not axes:
             return 1, 0.0, 0.0
         n = math.prod(self.mesh.shape[a] for a in axes)
+        profile = self.cluster.profile
+        fit = None if profile is None else profile.collective(kind, n)
+        if fit is not None and not any(self.mesh.crosses_hosts[a] for a in axes):
+            return n, fit.alpha, fit.beta
         return n, max(self.mesh.alphas[a] for a in axes), max(self.mesh.betas[a] for a in axes)
 
     def all_reduce(self, nbytes: float, axes: Sequence[int]) -> float:
-        n, alpha, beta = self._group(axes)
+        n, alpha, beta = self._group(axes, "all-reduce")
         return 0.0 if n == 1 else alpha + 2.0 * beta * (n - 1) / n * nbytes
 
     def all_gather(self, nbytes: float, axes: Sequence[int]) -> float:
         """``nbytes`` is the gathered (result) buffer per device."""
-        n, alpha, beta = self._group(axes)
+        n, alpha, beta = self._group(axes, "all-gather")
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
 
     @property
@@ -61,11 +87,11 @@ class CostModel:
         """``nbytes`` is the full (input) buffer per device."""
         if not self.native_reduce_scatter:
             return self.all_reduce(nbytes, axes)
-        n, alpha, beta = self._group(axes)
+        n, alpha, beta = self._group(axes, "reduce-scatter")
         return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
 
     def all_to_all(self, nbytes: float, axes: Sequence[int]) -> float:
-        n, alpha, beta = self._group(axes)
+        n, alpha, beta = self._group(axes, "all-to-all")
         return 0.0 if n == 1 else alpha + beta * (n - 1) / (2.0 * n) * nbytes
 
     # ------------------------------------------------------------------ resharding

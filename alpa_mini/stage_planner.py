@@ -46,6 +46,7 @@ from .plan import ShardingPlan
 from .sharding_spec import ShardingSpec
 from .solvers.errors import InfeasibleError
 from .solvers.stage_dp import StageProblem, StageSolution, solve_stages, submesh_shapes
+from .strategies import ELEMENTWISE
 from .tracing import trace_jaxpr
 
 __all__ = ["StageCost", "StageDecision", "assign_devices", "layer_starts", "plan_pipeline"]
@@ -343,7 +344,8 @@ class _StageModel:
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
         return StageCost(
             latency=plan.predicted_time
-            + (0.0 if tie else _gradient_sync(plan, cost, diff_in, params, first_grad)),
+            + (0.0 if tie else _gradient_sync(plan, cost, diff_in, params, first_grad))
+            + (cost.program_overhead(_kernels(graph), 0) if self.cluster.profile else 0.0),
             peak_memory=plan.peak_memory,
             residual_bytes=res_total / n_dev,
             state_bytes=state,
@@ -351,6 +353,24 @@ class _StageModel:
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
         )
+
+
+#: Primitives XLA fuses into a neighbouring kernel (elementwise, layout-only): they add no
+#: kernel of their own to a program's per-kernel overhead.
+_FUSED = ELEMENTWISE | {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "iota",
+    "slice",
+    "transpose",
+}
+
+
+def _kernels(graph) -> float:
+    """Kernels a stage program runs, roughly: its operations that XLA does not fuse away."""
+    return sum(n.multiplier for n in graph.nodes if n.kind == "op" and n.primitive not in _FUSED)
 
 
 def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:
@@ -538,9 +558,18 @@ def plan_pipeline(
                 f"{_budget(method, cluster) / 2**20:.1f} MiB per device",
                 None,
             )
+        sc = _with_launches(model, sc, sub, logical)
         decisions.append(StageDecision(i, j, starts[i], ends[j], sub, devs, logical, sc))
     model.stats.seconds["total"] = time.perf_counter() - t0
     return decisions, starts, problem, solution, model.stats
+
+
+def _with_launches(model, sc: StageCost, sub: tuple[int, int], logical) -> StageCost:
+    """``sc`` with the start cost of its two programs per micro-batch (forward, backward):
+    once per stage, so it is added to whole stages and compositions, never to the per-layer
+    costs a composition sums."""
+    extra = model.cost_model(sub, logical).program_overhead(0.0, launches=2)
+    return sc if extra == 0 else dataclasses.replace(sc, latency=sc.latency + extra)
 
 
 def _check_devices(subs: Sequence[tuple[int, int]], cluster: ClusterSpec) -> None:
@@ -685,7 +714,7 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
                 for i in range(L):
                     for j, sc in enumerate(_composed_row(table, i), start=i):
                         if sc is not None:
-                            entries[(i, j, si, ci)] = sc
+                            entries[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
                 continue
             for i in range(L):
                 for j in range(i, L):
@@ -694,7 +723,7 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
                     if progress:
                         progress(f"stage costs {done}/{total}")
                     if sc is not None:
-                        entries[(i, j, si, ci)] = sc
+                        entries[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
     model.stats.cost_entries += L * (L + 1) // 2 * n_cfg
     return entries, tables
 

@@ -555,7 +555,9 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
     for lay in layouts:
         compute = compute_of.get(lay.parallel)
         if compute is None:
-            compute = compute_of[lay.parallel] = cost.compute(work, traffic, dtype, lay.parallel)
+            compute = compute_of[lay.parallel] = cost.compute(
+                work, traffic, dtype, lay.parallel, node.primitive
+            )
         colls: tuple[Collective, ...] = ()
         if lay.groups:
             partial = sum(
@@ -710,7 +712,8 @@ def _replicated(node, graph, cost, dtype, work, traffic) -> Strategy:
     )
     outs = tuple(ShardingSpec.replicated(len(graph.tensors[t].shape)) for t in node.outputs)
     memory = sum(graph.tensors[t].nbytes for t in node.outputs)
-    return Strategy("replicated", ins, outs, cost.compute(work, traffic, dtype, 1), 0.0, memory)
+    compute = cost.compute(work, traffic, dtype, 1, node.primitive)
+    return Strategy("replicated", ins, outs, compute, 0.0, memory)
 
 
 def input_strategies(

@@ -217,11 +217,11 @@ def _ours_text(o: dict[str, Any]) -> str:
     return f"B{o['micro_batches']} " + " ".join(parts)
 
 
-def to_markdown(rows: list[dict[str, Any]], command: str, wall: float) -> str:
+def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: str = "") -> str:
     lines = [
         "## Plan quality: our plans against hand-tuned baselines",
         "",
-        f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). Every "
+        f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). {earlier}Every "
         "model at the GPU count Alpa benchmarked it on (`dgx-a100` hosts of 8 A100s), planned "
         "from abstract shapes; every time is the pipeline simulator's (`alpa_mini.simulate`) "
         "over stage costs from the same ILP cost model, with activation transfers on the "
@@ -263,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", default=",".join(map(str, MICRO_BATCHES)))
     parser.add_argument("--time-limit", type=float, default=ILP_TIME_LIMIT)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="drop the rows of earlier runs (default: rows not run now are kept)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     micro = tuple(int(x) for x in opts.micro_batches.split(","))
@@ -275,27 +280,53 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown[0]!r} is not a suite row; rows: {', '.join(every)}")
     command = "alpa-mini bench plan-quality " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
+    kept = [] if opts.fresh or opts.no_write else _earlier_rows(models)
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
-        results.append(_child(name, micro, opts.time_limit))
+        result = _child(name, micro, opts.time_limit)
+        results.append({**result, "date": datetime.date.today().isoformat()})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
-            _write(results, command.strip() + partial, time.perf_counter() - t0)
+            _write(kept, results, command.strip() + partial, time.perf_counter() - t0)
     print(to_markdown(to_csv_rows(results), command.strip(), time.perf_counter() - t0))
     return 0
 
 
-def _write(results: list[dict[str, Any]], command: str, wall: float) -> None:
-    rows = to_csv_rows(results)
+def _earlier_rows(models: list[str]) -> list[dict[str, Any]]:
+    """Rows of earlier runs (results/plan-quality.json) for models not re-run now."""
+    path = RESULTS / "plan-quality.json"
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()) if r["model"] not in models]
+
+
+def _suite_order(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in suite order, by GPU count first (as the suites grow together)."""
+    every = [m for names in SUITES.values() for m in names]
+    return sorted(results, key=lambda r: (r["gpus"], every.index(r["model"])))
+
+
+def _write(
+    kept: list[dict[str, Any]], results: list[dict[str, Any]], command: str, wall: float
+) -> None:
+    merged = _suite_order(kept + results)
+    rows = to_csv_rows(merged)
+    earlier = ""
+    if kept:
+        dates = sorted({r.get("date", "2026-11-21") for r in kept})
+        earlier = (
+            f"{', '.join(r['model'] for r in _suite_order(kept))} are kept from earlier runs "
+            f"({', '.join(dates)}) of the same command with `--models`. "
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "plan-quality.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    (RESULTS / "plan-quality.json").write_text(json.dumps(results, indent=1))
-    update_section("plan-quality", to_markdown(rows, command, wall))
+    (RESULTS / "plan-quality.json").write_text(json.dumps(merged, indent=1))
+    update_section("plan-quality", to_markdown(rows, command, wall, earlier))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from alpa_mini.cli import main as cli_main
+from benchmarks.calibration import error_summary
+from benchmarks.calibration import to_markdown as calibration_markdown
 from benchmarks.plan_quality import to_csv_rows, to_markdown
 from benchmarks.planning_time import fit_exponents
 
@@ -98,3 +100,34 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
     }
     text = megatron_markdown([result], "alpa-mini bench megatron", 1.0)
     assert "| megatron-x | 32 | 32/1/1 (B8) | 10.00 | 4/8/1 (B16) | 8.00 | 0.800 | 3 |" in text
+
+
+def _point(model, stage, cluster, predicted, measured):
+    return {
+        "model": model,
+        "layout": "1x4dev (4)",
+        "stage": stage,
+        "cluster": cluster,
+        "predicted": predicted,
+        "measured": measured,
+    }
+
+
+def test_calibration_error_is_the_median_relative_error_per_cluster():
+    points = [
+        _point("a", 0, "profiled", 1.1, 1.0),  # 10%
+        _point("a", 1, "profiled", 0.7, 1.0),  # 30%
+        _point("b", 0, "profiled", 2.1, 2.0),  # 5%
+        _point("a", 0, "nominal", 3.0, 1.0),  # 200%
+    ]
+    profiled = error_summary(points, "profiled")
+    assert profiled["median"] == pytest.approx(0.10)
+    assert profiled["max"] == pytest.approx(0.30) and profiled["count"] == 3
+    assert error_summary(points, "nominal")["median"] == pytest.approx(2.0)
+    profile = {"machine": "m", "compute": [], "collectives": []}
+    text = calibration_markdown(points, profile, "alpa-mini bench calibration", 1.0)
+    assert "Median absolute error with the profile: 10.0%** over 3 stages" in text
+    assert "target ≤ 15%: met" in text
+    assert "| a | 1x4dev (4) | 1 | 700.00 | 1000.00 | 30% | – | – | – |" in text
+    worse = [dict(p, predicted=p["predicted"] * 2) for p in points]
+    assert "**missed**" in calibration_markdown(worse, profile, "cmd", 1.0)
