@@ -64,6 +64,7 @@ from .gpt import (
     INIT_STD,
     GPTConfig,
     _attention,
+    _block,
     check_dtype,
     gpt_abstract_batch,
     make_gpt_batch,
@@ -423,13 +424,11 @@ def _grouped_moe(
 def _moe_lm_block(
     layer: Params, x: jax.Array, group: int | None, capacity_factor: float | None
 ) -> jax.Array:
-    """Pre-layer-norm block: x + attn(ln1(x)), then the MoE layer or x + mlp(ln2(x))."""
+    """Pre-layer-norm block: x + attn(ln1(x)), then the MoE layer (a dense block is GPT's)."""
+    if "moe" not in layer:
+        return _block(layer, x)
     x = x + _attention(layer["attn"], layer_norm(layer["ln1"], x))
-    if "moe" in layer:
-        return _grouped_moe(layer["moe"], x, group, capacity_factor)
-    mlp = layer["mlp"]
-    hid = jax.nn.gelu(layer_norm(layer["ln2"], x) @ mlp["w_in"] + mlp["b_in"])
-    return x + hid @ mlp["w_out"] + mlp["b_out"]
+    return _grouped_moe(layer["moe"], x, group, capacity_factor)
 
 
 def _check_lm_matches(params: Params, config: MoELMConfig) -> None:
