@@ -17,6 +17,13 @@ gradient all-reduce of data parallelism is priced and weighed against tensor par
 A configuration that does not fit in device memory (the ILP finds no layout within the
 budget, or the simulated peak with the schedule's micro-batches in flight exceeds it) is
 reported as infeasible with the reason, never silently dropped.
+
+Large grids (about 100 configurations on 64 GPUs) can be screened: every configuration is
+planned with stages composed from per-layer ILPs (``UniformStageOption(profiling=
+"individual")``, a few small ILPs each), then the most promising are re-planned with whole
+stage ILPs and the faster plan of each kept, as ``AutoStageOption(refine=True)`` does for our
+own plans. Composed plans are real plans (they lower and run), so the search never keeps an
+estimate.
 """
 
 from __future__ import annotations
@@ -121,12 +128,20 @@ def run_baseline(
     micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     schedule: str = "1f1b",
     ilp_option: ShardParallel | None = None,
+    refine_top: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BaselineResult:
     """Plan every configuration of baseline ``name`` for ``step`` (abstract ``args`` as for
     ``plan_pipeshard``; the step's layers marked with ``mark_pipeline_boundary``) and keep
     the fastest simulated one that fits. ``ilp_option``: the stage ILPs' backend, time limit
-    and memory budget (its layout options are the baseline's own)."""
+    and memory budget (its layout options are the baseline's own).
+
+    ``refine_top``: None plans every configuration with whole-stage ILPs. k screens them all
+    with composed stages, then re-plans whole, fastest first, until k configurations fit
+    whole (at most 3k re-plans); configurations whose composed plan overflows memory come
+    last, since composition over-counts memory."""
+    if refine_top is not None and (not isinstance(refine_top, int) or refine_top < 1):
+        raise ConfigError(f"refine_top: {refine_top!r} is not None or a positive integer")
     if name not in BASELINES:
         raise ConfigError(f"baseline: {name!r} is not one of {', '.join(BASELINES)}")
     n, per_host = cluster.num_devices, cluster.devices_per_host
@@ -143,17 +158,19 @@ def run_baseline(
         layout = {"data-parallel": "data"}.get(name, name.replace("-", ""))
         option = dataclasses.replace(ilp, batch_axis=None, layout=layout)
     t0 = time.perf_counter()
-    best: BaselineResult | None = None
-    infeasible, reasons = 0, []
-    for c in configs:
+
+    def attempt(c: dict[str, int], profiling: str) -> tuple[PipeshardPlan | None, float, str]:
+        """(plan, simulated seconds ignoring memory, reason it does not fit or "")."""
         if progress is not None:
-            progress(f"{name}: dp {c['dp']} tp {c['tp']} pp {c['pp']} B {c['micro_batches']}")
+            progress(f"{name}: {_label(c)} ({profiling})")
         per_stage = n // c["pp"]
         submesh = (per_stage // per_host, per_host) if per_stage >= per_host else (1, per_stage)
         method = PipeshardParallel(
             num_micro_batches=c["micro_batches"],
             layer_option=ManualLayerOption(),
-            stage_option=UniformStageOption(c["pp"], submesh, (c["dp"], c["tp"])),
+            stage_option=UniformStageOption(
+                c["pp"], submesh, (c["dp"], c["tp"]), profiling=profiling
+            ),
             pipeline_schedule=schedule,
             default_auto_sharding_option=option,
             gradient_sync="ilp",
@@ -161,16 +178,46 @@ def run_baseline(
         try:
             plan = plan_pipeshard(step, args, method, cluster)
         except MemoryBudgetError as err:
-            infeasible += 1
-            reasons.append(f"{_label(c)}: {err}")
-            continue
-        seconds, peak, reason = evaluate_plan(plan, cluster)
+            return None, math.inf, f"{_label(c)}: {err}"
+        seconds, _, reason = evaluate_plan(plan, cluster)
         if reason:
-            infeasible += 1
-            reasons.append(f"{_label(c)}: {reason}")
-            continue
+            return plan, simulate_plan(plan, cluster).iteration_time, f"{_label(c)}: {reason}"
+        return plan, seconds, ""
+
+    best: BaselineResult | None = None
+    fits: dict[int, str] = {}  # config index -> "" when some plan of it fits, else why not
+
+    def keep(k: int, plan: PipeshardPlan | None, seconds: float, reason: str) -> None:
+        nonlocal best
+        if reason:
+            fits.setdefault(k, reason)
+            return
+        fits[k] = ""
         if best is None or seconds < best.iteration_time:
-            best = BaselineResult(name, seconds, dict(c), peak, plan)
+            peak = max(simulate_plan(plan, cluster).peak_memory)
+            best = BaselineResult(name, seconds, dict(configs[k]), peak, plan)
+
+    if refine_top is None:
+        for k, c in enumerate(configs):
+            keep(k, *attempt(c, "whole"))
+    else:
+        timed, untimed = [], []
+        for k, c in enumerate(configs):
+            plan, seconds, reason = attempt(c, "individual")
+            keep(k, plan, seconds, reason)
+            # Composition over-counts memory, so whole stages may fit where it did not:
+            # simulated ones rank by time, the rest follow with more stages first.
+            (timed if plan is not None else untimed).append((seconds, k))
+        order = [k for _, k in sorted(timed)] + [k for _, k in reversed(untimed)]
+        confirmed = 0
+        for k in order[: 3 * refine_top]:
+            if confirmed >= refine_top:
+                break
+            plan, seconds, reason = attempt(configs[k], "whole")
+            confirmed += not reason
+            keep(k, plan, seconds, reason)
+    infeasible = sum(1 for why in fits.values() if why)
+    reasons = [why for why in fits.values() if why]
     elapsed = time.perf_counter() - t0
     if best is None:
         why = reasons[0] if reasons else "no configuration divides the batch and devices"

@@ -115,14 +115,23 @@ class AutoStageOption:
 @dataclass(frozen=True)
 class UniformStageOption:
     """``num_stages`` stages of equal layer counts, each on a ``submesh_shape`` (hosts,
-    devices) submesh with logical mesh ``logical_shape`` (default: 1-D over the submesh)."""
+    devices) submesh with logical mesh ``logical_shape`` (default: 1-D over the submesh).
+
+    profiling: "whole" solves each distinct stage as one ILP; "individual" composes it from
+    per-layer ILPs as ``AutoStageOption`` does (a few small ILPs instead of one per stage,
+    which is how a grid of uniform configurations is screened quickly)."""
 
     num_stages: int
     submesh_shape: tuple[int, int] = (1, 1)
     logical_shape: tuple[int, ...] | None = None
+    profiling: str = "whole"
 
     def __post_init__(self) -> None:
         _positive_int("UniformStageOption", "num_stages", self.num_stages)
+        if self.profiling not in ("individual", "whole"):
+            raise ConfigError(
+                f"UniformStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
+            )
         sub = _shape("UniformStageOption", "submesh_shape", self.submesh_shape, 2)
         object.__setattr__(self, "submesh_shape", sub)
         if self.logical_shape is not None:

@@ -520,6 +520,12 @@ def plan_pipeline(
         logicals = [so.logical_shape or (so.submesh_shape[0] * so.submesh_shape[1],)] * S
         _check_devices(subs, cluster)
         devices = assign_devices(subs, cluster)
+        if so.profiling == "individual":
+            table = _layer_table(model, starts, ends, subs[0], logicals[0])
+            composed = [_composed_stage(model, table, starts, ends, i, j) for i, j in ranges]
+            budget = _budget(method, cluster)
+            # Composed peaks sum per-layer peaks; over the budget, the stage has no plan here.
+            composed = [c if c is None or c.peak_memory <= budget else None for c in composed]
     else:
         assert isinstance(so, ManualStageOption)
         ids = so.forward_stage_layer_ids
@@ -542,7 +548,8 @@ def plan_pipeline(
     ):
         if composed is not None:
             sc = composed[s]
-            if so.refine and sc is not None:  # composed: auto stages, individual profiling
+            # Composed (individual profiling); only auto stages have ``refine``.
+            if getattr(so, "refine", False) and sc is not None:
                 # Every logical mesh of the chosen submesh, solved whole: the composition
                 # ranks meshes by an estimate, the whole ILP by the stage's own cost.
                 for shape in logical_shapes(sub, so.logical_shapes):

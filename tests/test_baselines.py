@@ -139,3 +139,52 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
     # 4 MiB of gradient per layer to all-reduce (or all-gather) on 4 devices: milliseconds
     assert data_after > free_ilp and data_ilp > free_ilp
     assert free_ilp < free_after  # seeing the sync, the ILP avoids most of it
+
+
+def test_uniform_individual_profiling_composes_the_layer_costs():
+    """Data-parallel layouts hand every activation on batch-split, so no resharding happens
+    between layers: a 2-layer composed stage costs exactly the sum of its two one-layer
+    stages, in latency, residual bytes and (summed) peak memory."""
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    step, args = _mlp_args(width=64, batch=64)
+
+    def stages(num, profiling):
+        method = alpa_mini.PipeshardParallel(
+            stage_option=alpa_mini.UniformStageOption(num, (1, 1), profiling=profiling),
+            default_auto_sharding_option=alpa_mini.ShardParallel(layout="data"),
+        )
+        return plan_pipeshard(step, args, method, CLUSTER).stages
+
+    layers = stages(4, "whole")
+    pairs = stages(2, "individual")
+    for s, stage in enumerate(pairs):
+        a, b = layers[2 * s], layers[2 * s + 1]
+        assert (stage.layer_start, stage.layer_end) == (2 * s, 2 * s + 1)
+        assert stage.latency == pytest.approx(a.latency + b.latency, rel=1e-9)
+        assert stage.residual_bytes == pytest.approx(a.residual_bytes + b.residual_bytes)
+        assert stage.peak_memory == pytest.approx(a.peak_memory + b.peak_memory)
+
+
+def test_uniform_profiling_is_checked():
+    with pytest.raises(ConfigError, match=r"UniformStageOption.profiling: 'exact' is not"):
+        alpa_mini.UniformStageOption(2, profiling="exact")
+
+
+@pytest.mark.parametrize(("width", "batch"), [(64, 4096), (1024, 8)])
+def test_screened_grid_finds_the_exhaustive_best(width, batch):
+    """Screening with composed stages and re-planning the best two whole finds the plan the
+    exhaustive whole-stage search finds (or a faster composed one), on both known cases."""
+    step, args = _mlp_args(width=width, batch=batch)
+    kw = dict(num_layers=4, batch_size=batch, micro_batches=(1, 2))
+    full = run_baseline("megatron", step, args, FOUR, **kw)
+    screened = run_baseline("megatron", step, args, FOUR, refine_top=2, **kw)
+    assert screened.tried == full.tried
+    assert screened.iteration_time <= full.iteration_time * (1 + 1e-9)
+    assert screened.config["tp"] == full.config["tp"]
+
+
+def test_refine_top_is_checked():
+    step, args = _mlp_args(width=64, batch=64)
+    with pytest.raises(ConfigError, match=r"refine_top: 0 is not None or a positive integer"):
+        run_baseline("megatron", step, args, FOUR, num_layers=4, batch_size=64, refine_top=0)
