@@ -20,7 +20,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .op_graph import OpGraph
-from .plan import NodePlan, PlannedCollective, ShardingPlan, TensorPlan
+from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
 from .sharding_spec import ShardingSpec
 from .solvers import (
     InfeasibleError,
@@ -29,6 +29,7 @@ from .solvers import (
     SolverTimeLimitError,
     solve_sharding,
 )
+from .solvers.sharding_problem import FORBIDDEN_COST
 from .strategies import (
     Strategy,
     input_strategies,
@@ -48,6 +49,9 @@ SpecFilter = Callable[[ShardingSpec], bool]
 HEURISTIC_MIN_CORE_STRATEGIES = 8000
 #: The whole MIP is tried below this many columns (solvers' default is tuned for IOPDDL).
 FULL_MIP_MAX_COLUMNS = 3_000_000
+#: Alternatives a plan keeps per choice besides the chosen and the replicated strategy: enough
+#: to explain a choice while a plan of an unrolled 11k-node graph stays small.
+MAX_ALTERNATIVES = 6
 
 
 class MemoryBudgetError(ValueError):
@@ -303,8 +307,21 @@ def read_plan(
     for node in graph.nodes:
         for k, t in enumerate(node.outputs):
             specs[t] = chosen[n_in + node.id].out_specs[k]
+    alternatives = _alternatives(inst, sol, memory_budget, axis_names)
+    producer: dict[int, int] = {t: n.id for n in graph.nodes for t in n.outputs}
+    input_alts: dict[int, tuple[Alternative, ...]] = {}
+    for i, t in enumerate(graph.inputs):
+        input_alts.setdefault(t, alternatives[i])
     tensors = tuple(
-        TensorPlan(t.name, t.shape, t.dtype, t.role, None if t.role == "const" else specs[t.id])
+        TensorPlan(
+            t.name,
+            t.shape,
+            t.dtype,
+            t.role,
+            None if t.role == "const" else specs[t.id],
+            producer.get(t.id),
+            input_alts.get(t.id, ()),
+        )
         for t in graph.tensors
     )
     nodes = tuple(
@@ -316,6 +333,7 @@ def read_plan(
             chosen[n_in + n.id].comm,
             n.source,
             len(inst.strategies[n_in + n.id]),
+            alternatives[n_in + n.id],
         )
         for n in graph.nodes
     )
@@ -377,6 +395,93 @@ def read_plan(
         memory_budget=memory_budget,
         solver=solver,
     )
+
+
+def _alternatives(
+    inst: ShardingInstance,
+    sol: ShardingSolution,
+    memory_budget: float | None,
+    axis_names: Sequence[str],
+) -> list[tuple[Alternative, ...]]:
+    """Per input and operator ILP node: its chosen strategy, the ``MAX_ALTERNATIVES`` cheapest
+    others and the replicated one, priced with every other node at its chosen strategy.
+    Input layouts are named by their spec with mesh axis names (``S(x)R``), as plans show them.
+
+    Vectorised over edges: edge (u, v) with matrix M adds M[:, c_v] to u's strategies and
+    M[c_u, :] to v's, so each strategy's ``reshard`` is its edges' cost against the chosen
+    neighbours. Only the kept strategies become Python objects.
+    """
+    prob = inst.problem
+    k, off = prob.num_strategies, prob.node_offsets
+    choice = np.asarray(sol.choice, dtype=np.int64)
+    size = int(off[-1])
+    reshard = np.zeros(size)
+    if prob.num_edges:
+        eu, ev = prob.edges[:, 0], prob.edges[:, 1]
+        start = prob.edge_offsets[:-1]
+        ku, kv = k[eu], k[ev]
+        # u's side: entries start + i * k_v + c_v for i < k_u, added to u's strategy i.
+        e, i = _expand(ku)
+        flat = start[e] + i * kv[e] + choice[ev[e]]
+        reshard += np.bincount(off[eu[e]] + i, weights=prob.edge_costs[flat], minlength=size)
+        # v's side: entries start + c_u * k_v + j for j < k_v, added to v's strategy j.
+        e, j = _expand(kv)
+        flat = start[e] + choice[eu[e]] * kv[e] + j
+        reshard += np.bincount(off[ev[e]] + j, weights=prob.edge_costs[flat], minlength=size)
+    totals = prob.node_costs + reshard
+    allowed = (prob.node_costs < FORBIDDEN_COST) & np.isfinite(totals)
+    owner = np.repeat(np.arange(len(k)), k)
+    others = np.ones(size, dtype=np.int8)
+    others[off[:-1] + choice] = 0
+    # By node, then by total; among equal totals the chosen one first, then strategy index.
+    order = np.lexsort((others, totals, owner))
+    rank = np.empty(size, dtype=np.int64)
+    rank[order] = np.arange(size) - off[owner[order]]
+    peak = sol.peak_usage
+    out: list[tuple[Alternative, ...]] = []
+    for v in range(inst.num_inputs + inst.num_ops):
+        strats = inst.strategies[v]
+        base = int(off[v])
+        c = int(choice[v])
+        chosen_memory = strats[c].memory
+        # The cheapest allowed strategies come first in ``order``; one more than kept covers
+        # the chosen one being among them.
+        seg = order[base : base + min(len(strats), MAX_ALTERNATIVES + 1)] - base
+        keep = [int(i) for i in seg if allowed[base + i] and i != c][:MAX_ALTERNATIVES]
+        keep.append(c)
+        r = _replicated_index(strats)
+        if r is not None and r not in keep and allowed[base + r]:
+            keep.append(r)
+        keep.sort(key=lambda i: rank[base + i])
+        alts = []
+        for i in keep:
+            s = strats[i]
+            fits = memory_budget is None or peak - chosen_memory + s.memory <= memory_budget
+            name = s.out_specs[0].label(axis_names) if v < inst.num_inputs else s.name
+            alts.append(
+                Alternative(name, s.compute, s.comm, float(reshard[base + i]), s.memory, fits)
+            )
+        out.append(tuple(alts))
+    return out
+
+
+def _expand(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each position of the concatenated ``arange(sizes[e])``: (e, index within it)."""
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.cumsum(sizes) - sizes
+    return owner, np.arange(int(sizes.sum())) - starts[owner]
+
+
+def _replicated_index(strats: Sequence[Strategy]) -> int | None:
+    """The strategy that splits nothing (operators enumerate it first), or None."""
+
+    def unsplit(s: Strategy) -> bool:
+        specs = (*s.in_specs, *s.out_specs)
+        return all(spec is None or not spec.used_axes for spec in specs)
+
+    if strats and unsplit(strats[0]):
+        return 0
+    return next((i for i, s in enumerate(strats) if unsplit(s)), None)
 
 
 def _result_index(graph: OpGraph, inst: ShardingInstance, u: int, t: int) -> int:

@@ -82,6 +82,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
+    books = sub.add_parser(
+        "notebooks",
+        help="run the checkout's notebooks top to bottom (as CI does), optionally saving figures",
+        description="Execute notebooks/*.ipynb with nbclient on the CPU test mode; a failing "
+        "cell fails the command. The notebooks in git stay output-free.",
+    )
+    books.add_argument("only", nargs="*", help="name prefixes to run, e.g. 01 03 (default: all)")
+    books.add_argument(
+        "--figures", type=Path, default=None, help="folder the notebooks save their figures in"
+    )
     bench = sub.add_parser(
         "bench",
         help="run an evaluation benchmark (from a source checkout) and update BENCHMARKS.md",
@@ -113,7 +123,34 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args, console)
     if args.command == "bench":
         return _bench(args, console)
+    if args.command == "notebooks":
+        return _notebooks(args, console)
     return 2  # argparse rejects unknown commands before this
+
+
+def _notebooks(args: argparse.Namespace, console: Console) -> int:
+    """Execute the notebooks; report each one's time, or the cell that failed."""
+    from .notebook_runner import find_notebooks, run_notebook
+
+    try:
+        books = find_notebooks(args.only)
+    except FileNotFoundError as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    import time
+
+    for book in books:
+        t0 = time.perf_counter()
+        try:
+            run_notebook(book, figures=args.figures)
+        except Exception as err:  # nbclient's CellExecutionError carries the cell and traceback
+            console.print(f"[red]{book.name} failed:[/]")
+            console.print(str(err), markup=False, highlight=False)
+            return 1
+        console.print(f"{book.name}: ran in {time.perf_counter() - t0:.1f} s")
+    if args.figures is not None:
+        console.print(f"figures in {args.figures}")
+    return 0
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .sharding_spec import ShardingSpec
 from .solvers.stage_dp import StageProblem, StageSolution, stage_objective
+
+if TYPE_CHECKING:
+    from .cluster import ClusterSpec
+    from .pipeline_sim import Simulation
 
 __all__ = ["PipeshardPlan", "StagePlan"]
 
@@ -189,3 +194,95 @@ class PipeshardPlan:
                 f"{s.peak_memory / 2**20:.2f}",
             )
         return t
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One flat row per stage (layers, submesh, devices, logical mesh, predicted latency
+        and memory), for tables and dataframes."""
+        return [
+            {
+                "stage": k,
+                "first_layer": s.layer_start,
+                "last_layer": s.layer_end,
+                "submesh": f"{s.submesh[0]}x{s.submesh[1]}",
+                "devices": ",".join(map(str, s.devices)),
+                "logical_mesh": "x".join(map(str, s.logical_shape)),
+                "latency_s": s.latency,
+                "peak_memory_bytes": s.peak_memory,
+                "residual_bytes": s.residual_bytes,
+                "out_bytes": s.out_bytes,
+            }
+            for k, s in enumerate(self.stages)
+        ]
+
+    def to_dataframe(self) -> Any:
+        """``to_records()`` as a pandas DataFrame indexed by stage."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError(
+                "PipeshardPlan.to_dataframe needs pandas: pip install pandas"
+            ) from None
+        return pd.DataFrame.from_records(self.to_records(), index="stage")
+
+    def timeline(
+        self,
+        path: str | Path,
+        cluster: ClusterSpec | str | None = None,
+        *,
+        png: bool = True,
+        transfers: bool = True,
+    ) -> Simulation:
+        """Simulate one iteration (``simulate_plan``) and write it as a Chrome trace to
+        ``path``, one track per mesh, plus a Gantt chart beside it (same stem, .png), to see
+        where the schedule's bubbles are before running anything.
+
+        ``cluster``: a ``ClusterSpec``, a bundled name or a cluster YAML path; None: the
+        cluster the plan names, when ``alpa_mini.init`` set it up or it is a bundled one.
+        """
+        from .cluster import ClusterSpec, ConfigError
+        from .pipeline_sim import simulate_plan
+        from .runtime.trace import write_chrome_trace
+        from .timeline import mesh_track_names, simulated_events, write_timeline
+
+        if cluster is None:
+            from . import device_setup
+
+            current = device_setup.current_cluster() if device_setup.is_initialized() else None
+            if current is not None and current.name == self.cluster:
+                spec = current  # e.g. a "detected-..." cluster of init("local")
+            else:
+                try:
+                    spec = ClusterSpec.named(self.cluster)
+                except ConfigError as err:
+                    raise ConfigError(
+                        f"cluster: the plan's cluster {self.cluster!r} is neither a bundled "
+                        "cluster nor the one alpa_mini.init() set up; pass cluster= a "
+                        f"ClusterSpec or a bundled name ({err})"
+                    ) from None
+        elif isinstance(cluster, ClusterSpec):
+            spec = cluster
+        elif isinstance(cluster, str):
+            try:
+                spec = ClusterSpec.load(cluster)
+            except ConfigError as err:
+                message = str(err)  # an unknown name already reads "cluster '...': ..."
+                if not message.startswith("cluster"):
+                    message = f"cluster {cluster!r}: {message}"
+                raise ConfigError(message) from None
+        else:
+            raise ConfigError(
+                f"cluster: expected a ClusterSpec, a cluster name or None, got {cluster!r}"
+            )
+        sim = simulate_plan(self, spec, transfers=transfers)
+        events = simulated_events(sim)
+        names = mesh_track_names(self)
+        process = f"alpa_mini simulated ({spec.name})"
+        title = (
+            f"simulated {self.schedule}, {self.num_stages} stages, B={self.num_micro_batches}, "
+            f"{sim.iteration_time * 1e3:.3f} ms/iter on {spec.name}"
+        )
+        if png:
+            write_timeline(path, events, names, title=title, process_name=process)
+        else:
+            write_chrome_trace(path, events, names, process_name=process)
+        return sim

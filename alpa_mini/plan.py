@@ -2,7 +2,9 @@
 
 It is plain data (JSON round-trip, no pickle): the layout of every tensor, the strategy of
 every operator, the collectives the plan expects, and predicted compute, communication,
-resharding time and peak memory with the ILP's status. Lowering reads it; users inspect it.
+resharding time and peak memory with the ILP's status. Lowering reads it; users inspect it:
+``explain`` says why the ILP chose an operator's strategy or an input's layout (its cost terms
+against the best alternatives), and ``to_records`` / ``to_dataframe`` export it as tables.
 """
 
 from __future__ import annotations
@@ -10,28 +12,73 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from .sharding_spec import ShardingSpec
 
-__all__ = ["NodePlan", "PlannedCollective", "ShardingPlan", "TensorPlan"]
+if TYPE_CHECKING:
+    import pandas
+
+    from .plan_explain import Explanation
+
+__all__ = ["Alternative", "NodePlan", "PlannedCollective", "ShardingPlan", "TensorPlan"]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One strategy of one ILP choice (an operator's strategy or an input's layout), priced.
+
+    ``reshard`` is the resharding time on every ILP edge touching the choice (to its operands'
+    producers and to its results' readers) with all neighbours held at their chosen strategies,
+    so ``alt.total - chosen.total`` is exactly the change of the ILP objective if only this one
+    choice moved. ``memory`` is the strategy's own bytes per device (the ILP's usage term).
+    ``fits`` is an estimate: False when the plan's peak minus the chosen strategy's memory plus
+    this one's exceeds the memory budget (always True without a budget). The estimate is
+    conservative: a move it says fits never exceeds the budget, but one it rejects might not.
+    """
+
+    strategy: str
+    compute: float
+    comm: float
+    reshard: float
+    memory: float
+    fits: bool = True
+
+    @property
+    def total(self) -> float:
+        """Seconds this choice adds to the ILP objective: compute + comm + reshard."""
+        return self.compute + self.comm + self.reshard
+
+
+#: The order of an ``Alternative``'s fields in a plan's JSON rows.
+ALTERNATIVE_FIELDS = ("strategy", "compute", "comm", "reshard", "memory", "fits")
 
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One tensor's layout; ``role`` is param/state/batch/const/intermediate."""
+    """One tensor's layout; ``role`` is param/state/batch/const/intermediate.
+
+    ``producer`` is the operator that computes it (None for graph inputs and constants);
+    ``alternatives`` prices a graph input's layout choice (see ``Alternative``), else empty.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     role: str
     spec: ShardingSpec | None  # None for constants (replicated, never constrained)
+    producer: int | None = None
+    alternatives: tuple[Alternative, ...] = ()
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """One operator's chosen strategy, the layouts it reads, and its own predicted costs."""
+    """One operator's chosen strategy, the layouts it reads, and its own predicted costs.
+
+    ``alternatives``, sorted by total: the chosen strategy, the cheapest others and the fully
+    replicated one (see ``Alternative``); empty in plans saved before they were recorded.
+    """
 
     primitive: str
     strategy: str
@@ -40,6 +87,7 @@ class NodePlan:
     comm: float
     source: str = ""
     num_strategies: int = 1
+    alternatives: tuple[Alternative, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,6 +209,27 @@ class ShardingPlan:
             )
         return Group(head, inputs, ops)
 
+    # ----------------------------------------------------------------- explanations, tables
+    def explain(self, tensor_or_op: int | str) -> Explanation:
+        """Why the ILP chose an operator's strategy (by id or label like ``"12:dot_general"``)
+        or a tensor's layout (by name: an input's own choice, else its producer's strategy)."""
+        from .plan_explain import explain
+
+        return explain(self, tensor_or_op)
+
+    def to_records(self, table: str = "nodes") -> list[dict[str, Any]]:
+        """One flat dict per row of ``table`` ("nodes", "tensors" or "collectives"), with
+        layouts as readable strings, for notebooks, CSV or a DataFrame."""
+        from .plan_explain import plan_records
+
+        return plan_records(self, table)
+
+    def to_dataframe(self, table: str = "nodes") -> pandas.DataFrame:
+        """``to_records(table)`` as a pandas DataFrame (pandas is an optional dependency)."""
+        from .plan_explain import records_frame
+
+        return records_frame(self.to_records(table))
+
     # ----------------------------------------------------------------- JSON
     def to_json(self) -> str:
         def enc(obj: Any) -> Any:
@@ -174,15 +243,31 @@ class ShardingPlan:
                 return str(obj)
             return obj
 
-        data = asdict(self)
+        def shallow(obj: Any) -> dict[str, Any]:
+            return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+        def alts(rows: tuple[Alternative, ...]) -> list[list[Any]]:
+            # Compact rows in ALTERNATIVE_FIELDS order: plans of big graphs keep ~10^5 of them.
+            return [[getattr(a, f) for f in ALTERNATIVE_FIELDS] for a in rows]
+
+        data = shallow(self)
         data["tensors"] = [
-            {**asdict(t), "spec": None if t.spec is None else t.spec.to_list()}
+            {
+                **shallow(t),
+                "spec": None if t.spec is None else t.spec.to_list(),
+                "alternatives": alts(t.alternatives),
+            }
             for t in self.tensors
         ]
         data["nodes"] = [
-            {**asdict(n), "in_specs": [None if s is None else s.to_list() for s in n.in_specs]}
+            {
+                **shallow(n),
+                "in_specs": [None if s is None else s.to_list() for s in n.in_specs],
+                "alternatives": alts(n.alternatives),
+            }
             for n in self.nodes
         ]
+        data["collectives"] = [asdict(c) for c in self.collectives]
         data["output_specs"] = [s.to_list() for s in self.output_specs]
         return json.dumps(enc(data))
 
@@ -193,11 +278,27 @@ class ShardingPlan:
         def spec(v: Any) -> ShardingSpec | None:
             return None if v is None else ShardingSpec.from_list(v)
 
+        def alts(rows: Any) -> tuple[Alternative, ...]:
+            # Rows in ALTERNATIVE_FIELDS order; plans saved before alternatives were recorded
+            # have none (explain says so).
+            return tuple(
+                Alternative(str(name), float(cp), float(cm), float(rs), float(mem), bool(fits))
+                for name, cp, cm, rs, mem, fits in rows or ()
+            )
+
         return cls(
             mesh_shape=tuple(d["mesh_shape"]),
             axis_names=tuple(d["axis_names"]),
             tensors=tuple(
-                TensorPlan(t["name"], tuple(t["shape"]), t["dtype"], t["role"], spec(t["spec"]))
+                TensorPlan(
+                    t["name"],
+                    tuple(t["shape"]),
+                    t["dtype"],
+                    t["role"],
+                    spec(t["spec"]),
+                    t.get("producer"),
+                    alts(t.get("alternatives")),
+                )
                 for t in d["tensors"]
             ),
             nodes=tuple(
@@ -209,6 +310,7 @@ class ShardingPlan:
                     n["comm"],
                     n["source"],
                     n["num_strategies"],
+                    alts(n.get("alternatives")),
                 )
                 for n in d["nodes"]
             ),
