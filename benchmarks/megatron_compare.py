@@ -152,11 +152,12 @@ def _child(name: str, time_limit: float) -> dict[str, Any]:
     return run_child("benchmarks.megatron_compare", args, timeout=4 * 3600)
 
 
-def to_markdown(results: list[dict[str, Any]], command: str, wall: float) -> str:
+def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlier: str = "") -> str:
     lines = [
         "## Megatron-LM's published configurations beside ours",
         "",
-        f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). Rows of "
+        f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). {earlier}"
+        "Rows of "
         "Megatron-LM's GPT table (SC'21 Table 1) on `dgx-a100` hosts; both plans priced by "
         "the same cost model and pipeline simulator. Megatron: its published (dp, tp, pp), "
         "equal stages, at the best micro-batch count that fits; ours: the stage DP with "
@@ -199,23 +200,44 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown[0]!r} is not a table row; rows: {', '.join(ROWS)}")
     command = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
+    kept = [] if opts.no_write else _earlier_rows(models)
     results = []
-    for name in models:
+    for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
-        results.append(_child(name, opts.time_limit))
+        results.append({**_child(name, opts.time_limit), "date": datetime.date.today().isoformat()})
         print(json.dumps(results[-1]), flush=True)
-    text = to_markdown(results, command.strip(), time.perf_counter() - t0)
-    print(text)
-    if opts.no_write:
-        return 0
+        if not opts.no_write:  # after every row: a long run that stops keeps what it measured
+            partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
+            _write(kept, results, command.strip() + partial, time.perf_counter() - t0)
+    print(to_markdown(results, command.strip(), time.perf_counter() - t0))
+    return 0
+
+
+def _earlier_rows(models: list[str]) -> list[dict[str, Any]]:
+    """Rows of earlier runs (results/megatron.json) for models not re-run now."""
+    path = RESULTS / "megatron.json"
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()) if r["model"] not in models]
+
+
+def _write(
+    kept: list[dict[str, Any]], results: list[dict[str, Any]], command: str, wall: float
+) -> None:
+    merged = sorted(kept + results, key=lambda r: ROWS.index(r["model"]))
+    earlier = ""
+    if kept:
+        dates = ", ".join(sorted({r.get("date", "") for r in kept}))
+        earlier = f"{', '.join(r['model'] for r in kept)} are kept from earlier runs ({dates}). "
+    text = to_markdown(merged, command, wall, earlier)
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "megatron.csv").open("w", newline="") as f:
         fields = ["model", "gpus", "published", "theirs", "their_B", "ours", "our_choice"]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(results)
+        writer.writerows(merged)
+    (RESULTS / "megatron.json").write_text(json.dumps(merged, indent=1))
     update_section("megatron", text)
-    return 0
 
 
 if __name__ == "__main__":
