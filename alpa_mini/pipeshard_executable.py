@@ -70,7 +70,7 @@ class PipeshardExecutable:
         Instructions run back to back while profiled, so the trace shows where each mesh's
         time goes, not how much the meshes overlap in a plain step.
         """
-        from .runtime.trace import measured_events, write_chrome_trace
+        from .runtime.trace import measured_events
         from .timeline import mesh_track_names, write_timeline
 
         _, timings = self.profile(*args)
@@ -82,10 +82,7 @@ class PipeshardExecutable:
             f"measured {self.fun_name}: {self.plan.schedule}, {self.plan.num_stages} stages, "
             f"B={self.plan.num_micro_batches}, {step * 1e3:.3f} ms (instructions back to back)"
         )
-        if png:
-            write_timeline(path, events, names, title=title, process_name=process)
-        else:
-            write_chrome_trace(path, events, names, process_name=process)
+        write_timeline(path, events, names, title=title, process_name=process, png=png)
         return timings
 
     def instructions(self, limit: int | None = 60) -> str:

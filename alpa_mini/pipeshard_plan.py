@@ -241,7 +241,6 @@ class PipeshardPlan:
         """
         from .cluster import ClusterSpec, ConfigError
         from .pipeline_sim import simulate_plan
-        from .runtime.trace import write_chrome_trace
         from .timeline import mesh_track_names, simulated_events, write_timeline
 
         if cluster is None:
@@ -281,8 +280,5 @@ class PipeshardPlan:
             f"simulated {self.schedule}, {self.num_stages} stages, B={self.num_micro_batches}, "
             f"{sim.iteration_time * 1e3:.3f} ms/iter on {spec.name}"
         )
-        if png:
-            write_timeline(path, events, names, title=title, process_name=process)
-        else:
-            write_chrome_trace(path, events, names, process_name=process)
+        write_timeline(path, events, names, title=title, process_name=process, png=png)
         return sim

@@ -200,13 +200,16 @@ def write_timeline(
     *,
     title: str = "",
     process_name: str = "alpa_mini",
-) -> tuple[Path, Path]:
-    """Write the Chrome trace to ``path`` and its Gantt chart beside it (same stem, .png);
-    return both paths."""
+    png: bool = True,
+) -> tuple[Path, Path | None]:
+    """Write the Chrome trace to ``path`` and, with ``png``, its Gantt chart beside it (same
+    stem, .png); return both paths (None for a PNG not drawn)."""
     path = Path(path)
-    png = path.with_suffix(".png")
-    if png == path:
+    image = path.with_suffix(".png")
+    if png and image == path:
         raise ValueError(f"path: {path} is where the PNG goes; name the trace file .json")
     write_chrome_trace(path, events, track_names, process_name=process_name)
-    plot_timeline(events, png, title=title, track_names=track_names)
-    return path, png
+    if not png:
+        return path, None
+    plot_timeline(events, image, title=title, track_names=track_names)
+    return path, image

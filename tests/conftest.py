@@ -21,4 +21,28 @@ else:
     jax.config.update("jax_enable_x64", False)
 
 
+import pytest  # noqa: E402
 from ray_heads import ray_head  # noqa: E402, F401  (a fixture for the Ray tests)
+
+
+@pytest.fixture
+def devices4():
+    """``alpa_mini.init`` on 4 of the test devices (one host of ``cpu-1x8`` cut to 4)."""
+    import dataclasses
+
+    import alpa_mini
+
+    cpu = alpa_mini.ClusterSpec.named("cpu-1x8")
+    alpa_mini.init(cluster=dataclasses.replace(cpu, devices_per_host=4))
+    yield
+    alpa_mini.shutdown()
+
+
+@pytest.fixture
+def devices8():
+    """``alpa_mini.init`` on all 8 test devices (``cpu-1x8``)."""
+    import alpa_mini
+
+    alpa_mini.init(cluster=alpa_mini.ClusterSpec.named("cpu-1x8"))
+    yield
+    alpa_mini.shutdown()

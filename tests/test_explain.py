@@ -42,20 +42,6 @@ def all_gather(nbytes: float, n: int) -> float:
     return ALPHA + BETA * (n - 1) / n * nbytes
 
 
-@pytest.fixture
-def devices4():
-    alpa_mini.init(cluster=dataclasses.replace(CPU, devices_per_host=4))
-    yield
-    alpa_mini.shutdown()
-
-
-@pytest.fixture
-def devices8():
-    alpa_mini.init(cluster=CPU)
-    yield
-    alpa_mini.shutdown()
-
-
 def mlp_forward(p, x):
     return jax.nn.relu(x @ p["w1"]) @ p["w2"]
 

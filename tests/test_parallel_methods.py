@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,13 +14,6 @@ from alpa_mini.models import adam
 
 CPU = ClusterSpec.named("cpu-1x8")
 HIDDEN, BATCH = 64, 32
-
-
-@pytest.fixture
-def devices4():
-    alpa_mini.init(cluster=dataclasses.replace(CPU, devices_per_host=4))
-    yield
-    alpa_mini.shutdown()
 
 
 def loss_fn(p, batch):

@@ -7,8 +7,6 @@ the ILP's choice, its predicted communication and the collectives XLA really emi
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,20 +21,6 @@ ALPHA, BETA = CPU.intra_host.alpha, CPU.intra_host.beta
 
 def all_reduce(nbytes: float, n: int) -> float:
     return ALPHA + 2 * BETA * (n - 1) / n * nbytes
-
-
-@pytest.fixture
-def devices4():
-    alpa_mini.init(cluster=dataclasses.replace(CPU, devices_per_host=4))
-    yield
-    alpa_mini.shutdown()
-
-
-@pytest.fixture
-def devices8():
-    alpa_mini.init(cluster=CPU)
-    yield
-    alpa_mini.shutdown()
 
 
 def mlp_loss(p, x, y):
