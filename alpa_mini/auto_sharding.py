@@ -55,11 +55,13 @@ MAX_ALTERNATIVES = 6
 
 
 class MemoryBudgetError(ValueError):
-    """No layout fits the memory budget; ``min_budget`` is the smallest per-device peak found."""
+    """No layout fits the memory budget; ``min_budget`` is the smallest per-device peak found.
+    ``timed_out``: the solver found no feasible layout within its time limit instead."""
 
-    def __init__(self, message: str, min_budget: float | None) -> None:
+    def __init__(self, message: str, min_budget: float | None, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.min_budget = min_budget
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,6 +278,7 @@ def plan_sharding(
             f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
             f"{time_limit} s ({err}); raise ShardParallel(time_limit=...) or pick a smaller mesh",
             None,
+            timed_out=True,
         ) from None
     except InfeasibleError as err:
         min_peak = err.details.get("min_peak")

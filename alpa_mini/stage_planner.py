@@ -323,20 +323,45 @@ class _StageModel:
         params = [k for k in range(len(diff_in)) if roles[k] == "param"]
         tie = self.method.gradient_sync == "ilp"
         aliases = [(k, first_grad + k) for k in params] if tie else []
-        with self._lock:
-            self.stats.ilps_solved += 1
-        try:
-            plan = plan_sharding(
-                graph,
-                cost,
-                AXIS_NAMES[: len(logical)],
-                input_filters=filters,
-                aliases=aliases,
-                memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
-                backend=opt.backend,
-                time_limit=opt.time_limit,
+
+        def solve(filters: list[Any] | None) -> ShardingPlan | str:
+            """The plan, or why there is none: "memory" or "time"."""
+            with self._lock:
+                self.stats.ilps_solved += 1
+            try:
+                return plan_sharding(
+                    graph,
+                    cost,
+                    AXIS_NAMES[: len(logical)],
+                    input_filters=filters,
+                    aliases=aliases,
+                    memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
+                    backend=opt.backend,
+                    time_limit=opt.time_limit,
+                )
+            except MemoryBudgetError as err:
+                return "time" if err.timed_out else "memory"
+
+        plan = solve(filters)
+        unproven = plan == "time" or (
+            isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
+        )
+        if filters is None and unproven:
+            # The free MIP stopped unproven (or found nothing in time). Fully sharded
+            # parameters and state with the batch split (ZeRO-3's layouts, inside the free
+            # space) make a far easier MIP: keep whichever plan is faster.
+            pinned = dataclasses.replace(opt, layout="zero3", batch_axis=None)
+            zero3 = solve(
+                [
+                    pinned.input_filter(role, graph.tensors[t].shape, logical)
+                    for role, t in zip(roles, graph.inputs, strict=True)
+                ]
             )
-        except MemoryBudgetError:
+            if isinstance(zero3, ShardingPlan) and (
+                not isinstance(plan, ShardingPlan) or zero3.predicted_time < plan.predicted_time
+            ):
+                plan = zero3
+        if not isinstance(plan, ShardingPlan):
             return None  # this stage does not fit here; the DP sees an infinite cost
         in_spec_of = {
             v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))

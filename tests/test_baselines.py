@@ -188,3 +188,43 @@ def test_refine_top_is_checked():
     step, args = _mlp_args(width=64, batch=64)
     with pytest.raises(ConfigError, match=r"refine_top: 0 is not None or a positive integer"):
         run_baseline("megatron", step, args, FOUR, num_layers=4, batch_size=64, refine_top=0)
+
+
+def test_unproven_free_stage_ilp_falls_back_to_zero3_layouts(monkeypatch):
+    """When the free stage MIP stops unproven, the stage planner also solves the ZeRO-3-pinned
+    MIP (a subset of the free space) and keeps the faster plan. Here the free plan is made
+    100x slower and marked "feasible": the stage must come out exactly as the ZeRO-3 preset
+    plans it, after two ILPs."""
+    from alpa_mini import stage_planner
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    real = stage_planner.plan_sharding
+
+    def unproven_free(graph, cost, axis_names, *, input_filters=None, **kw):
+        plan = real(graph, cost, axis_names, input_filters=input_filters, **kw)
+        if input_filters is not None:
+            return plan
+        return dataclasses.replace(
+            plan, compute_time=100 * plan.compute_time, solver={**plan.solver, "status": "feasible"}
+        )
+
+    step, args = _mlp_args(width=256, batch=64)
+
+    def stage(layout):
+        method = alpa_mini.PipeshardParallel(
+            stage_option=alpa_mini.UniformStageOption(1, (1, 4)),
+            default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
+            gradient_sync="ilp",
+        )
+        plan = plan_pipeshard(step, args, method, FOUR)
+        return plan.stages[0], plan.planning
+
+    zero3, _ = stage("zero3")
+    monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
+    fallback, stats = stage("auto")
+    assert fallback.latency == pytest.approx(zero3.latency, rel=1e-12)
+    assert fallback.in_specs == zero3.in_specs
+    assert stats["ilps_solved"] == 2
+    monkeypatch.setattr(stage_planner, "plan_sharding", real)
+    _, stats = stage("auto")
+    assert stats["ilps_solved"] == 1  # proven optimal: no second MIP
