@@ -66,13 +66,19 @@ class ManualLayerOption:
     """Layers end at the step's ``mark_pipeline_boundary()`` calls."""
 
 
+LOGICAL_SHAPE_SPACES = ("auto", "1d", "model_parallel_in_host")
+
+
 @dataclass(frozen=True)
 class AutoStageOption:
     """Stage slicing by the stage DP over a table of per-stage ILP costs.
 
     profiling: "individual" composes a layer range's cost from per-layer ILPs plus the
     resharding between them (fast, Alpa's individual mode); "whole" solves one ILP per range.
-    logical_shapes: "auto" tries 1-D and 2-D logical meshes per submesh; "1d" only 1-D.
+    logical_shapes: "auto" tries 1-D and one 2-D logical mesh per submesh; "1d" only 1-D;
+    "model_parallel_in_host" 1-D and every 2-D (n / k, k) whose second axis k > 1 divides a
+    host's devices (Alpa's single-node model parallel space: every (dp, tp) split Megatron
+    would use, at up to log2(devices per host) more ILPs per layer and submesh).
     memory_budget: bytes per device (None: the cluster's device memory).
     submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
@@ -94,9 +100,10 @@ class AutoStageOption:
             raise ConfigError(
                 f"AutoStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
             )
-        if self.logical_shapes not in ("auto", "1d"):
+        if self.logical_shapes not in LOGICAL_SHAPE_SPACES:
             raise ConfigError(
-                f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not 'auto' or '1d'"
+                f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not one of "
+                f"{', '.join(map(repr, LOGICAL_SHAPE_SPACES))}"
             )
         if not isinstance(self.refine, bool):
             raise ConfigError(f"AutoStageOption.refine: {self.refine!r} is not True or False")

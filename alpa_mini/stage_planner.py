@@ -106,12 +106,16 @@ def layer_starts(forward: ClosedJaxpr, option: Any) -> tuple[int, ...]:
 
 
 def logical_shapes(submesh: tuple[int, int], mode: str) -> list[tuple[int, ...]]:
-    """Logical meshes tried on a submesh: 1-D over all devices, and a 2-D one."""
+    """Logical meshes tried on a submesh: 1-D over all devices, then ("auto") one 2-D mesh
+    or ("model_parallel_in_host") every (n / k, k) with 1 < k < n and k dividing a host's
+    devices, so the second axis stays inside a host."""
     h, d = submesh
     n = h * d
     shapes: list[tuple[int, ...]] = [(n,)]
     if mode == "auto" and n >= 4:
         shapes.append((h, d) if h > 1 else (2, n // 2))
+    elif mode == "model_parallel_in_host":
+        shapes += [(n // k, k) for k in range(2, d + 1) if d % k == 0 and k < n]
     return shapes
 
 
@@ -493,7 +497,8 @@ def plan_pipeline(
         C = max(len(c) for c in configs)
         budget = _budget(method, cluster)
         entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
-        names = tuple("1d" if ci == 0 else "2d" for ci in range(C))
+        # Config ci is the ci-th logical mesh of each submesh (shapes differ by submesh).
+        names = ("1d", *(("2d",) if C == 2 else (f"2d-{ci}" for ci in range(1, C))))
         problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         try:
             solution = solve_stages(problem)

@@ -6,7 +6,8 @@ from abstract shapes on A100 clusters and timed by the same simulator.
 
 Per row (model at the GPU count Alpa benchmarked it on, ``dgx-a100`` hosts of 8): the best
 of data parallel, ZeRO-2, ZeRO-3 and the Megatron-style grid (``alpa_mini.baselines``), and
-our plan (``AutoStageOption(refine=True)``), each the fastest over the same micro-batch
+our plan (``AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES)``), each the
+fastest over the same micro-batch
 counts; the ratio ours / best baseline (targets: <= 1.00 everywhere, <= 0.90 on MoE and
 Wide-ResNet); our planning time. Every row runs in a fresh process (no warm caches).
 """
@@ -47,6 +48,9 @@ ILP_TIME_LIMIT = 20.0
 #: Baseline grids are screened with composed stages, then this many re-planned whole
 #: (``run_baseline(refine_top=...)``); 0 plans every configuration whole.
 REFINE_TOP = 3
+#: Our logical meshes per submesh: every (dp, tp) split with tp inside a host, the space the
+#: Megatron grid searches too (rows run before 2026-11-21's evening used "auto").
+OUR_LOGICAL_SHAPES = "model_parallel_in_host"
 CSV_FIELDS = [
     "model",
     "gpus",
@@ -61,6 +65,7 @@ CSV_FIELDS = [
     "planning_s",
     "baseline_search_s",
     "search",
+    "our_logical_shapes",
     "note",
 ]
 
@@ -106,7 +111,7 @@ def row(
         method = alpa_mini.PipeshardParallel(
             num_micro_batches=b,
             layer_option=alpa_mini.ManualLayerOption(),
-            stage_option=alpa_mini.AutoStageOption(refine=True),
+            stage_option=alpa_mini.AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES),
             default_auto_sharding_option=ilp,
             gradient_sync="ilp",
         )
@@ -164,6 +169,7 @@ def row(
         },
         "planning_s": planning,
         "baseline_search": _search_text(refine_top),
+        "our_logical_shapes": OUR_LOGICAL_SHAPES,
     }
 
 
@@ -213,6 +219,7 @@ def to_csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "planning_s": r["planning_s"],
                 "baseline_search_s": sum(b["seconds"] for b in r["baselines"]),
                 "search": r.get("baseline_search", "exhaustive"),
+                "our_logical_shapes": r.get("our_logical_shapes", "auto"),
                 "note": note,
             }
         )
@@ -242,7 +249,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "over stage costs from the same ILP cost model, with activation transfers on the "
         "links. Baselines: data parallel, ZeRO-2, ZeRO-3 and a Megatron-style grid over "
         "(dp, tp, pp, micro-batches) with even layer split and tensor parallelism inside a "
-        "host; the best that fits is shown. Ours: the stage DP with `refine=True`. Both sides "
+        "host; the best that fits is shown. Ours: the stage DP with `refine=True` over "
+        f"logical meshes `{OUR_LOGICAL_SHAPES}` (1-D and every (n/k, k) with k dividing a "
+        "host's devices). Both sides "
         f"try micro-batch counts {', '.join(map(str, MICRO_BATCHES))} and an ILP time limit "
         f"of {ILP_TIME_LIMIT:.0f} s. *Search*: how the baseline grid was searched: "
         "*exhaustive* plans every configuration with whole-stage ILPs; *screened* plans every "
@@ -266,6 +275,12 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
             f"{r['search']} |"
         )
     notes = [f"- {r['model']}: {r['note']}" for r in rows if r["note"]]
+    older = [r["model"] for r in rows if r.get("our_logical_shapes", "auto") != OUR_LOGICAL_SHAPES]
+    if older:
+        notes.append(
+            f'- {", ".join(older)}: ours planned with `logical_shapes="auto"` (1-D and one '
+            f"2-D mesh per submesh), before `{OUR_LOGICAL_SHAPES}` became the default here"
+        )
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"

@@ -291,3 +291,40 @@ def test_individual_stages_pin_the_layer_layouts_inside_a_stage():
     bad = dataclasses.replace(ex.plan, stages=tuple(stages))
     with pytest.raises(ValueError, match="inner_specs: equation"):
         _run(loss, params, data, PipeshardParallel.from_plan(bad), steps=1)
+
+
+def test_model_parallel_in_host_logical_shapes():
+    """Every (n / k, k) with k dividing a host's devices, 1-D first; a superset of "auto"."""
+    from alpa_mini.stage_planner import logical_shapes
+
+    space = "model_parallel_in_host"
+    assert logical_shapes((2, 8), space) == [(16,), (8, 2), (4, 4), (2, 8)]
+    assert logical_shapes((1, 8), space) == [(8,), (4, 2), (2, 4)]
+    assert logical_shapes((1, 4), space) == [(4,), (2, 2)]
+    assert logical_shapes((1, 2), space) == [(2,)]
+    for sub in ((1, 4), (1, 8), (2, 8), (4, 8)):
+        assert set(logical_shapes(sub, "auto")) <= set(logical_shapes(sub, space))
+    with pytest.raises(ConfigError, match="'model_parallel_in_host'"):
+        AutoStageOption(logical_shapes="2d")
+
+
+def test_wider_logical_shape_space_never_plans_worse():
+    """The DP over a superset of table columns (same per-layer ILPs where the shapes agree)
+    finds a T no larger than "auto" does, and its table has one column per shape."""
+    _init("cpu-2x4")
+    loss, params, data = _mlp_case(layers=4, width=32)
+    opt = adam(1e-2)
+    args = (params, opt.init(params), data)
+    plans = {}
+    for space in ("auto", "model_parallel_in_host"):
+        method = PipeshardParallel(
+            num_micro_batches=2, stage_option=AutoStageOption(logical_shapes=space)
+        )
+        step = alpa_mini.parallelize(
+            make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
+        )
+        plans[space] = step.get_executable(*args).plan
+    auto, wide = plans["auto"], plans["model_parallel_in_host"]
+    # cpu-2x4: the (2, 4) submesh has (8,), (4, 2), (2, 4); "auto" has (8,), (2, 4).
+    assert wide.stage_problem.cost.shape[3] == 3 and auto.stage_problem.cost.shape[3] == 2
+    assert wide.stage_solution.objective <= auto.stage_solution.objective * (1 + 1e-12)
