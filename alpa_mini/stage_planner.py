@@ -657,20 +657,43 @@ def _layer_table(model, starts, ends, sub, logical) -> _LayerTable:
 
 def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
     """Individual-mode costs of layers ``i..j`` for every ``j >= i``, by running sums:
-    per-layer latencies plus the resharding between layers inside the range. Memory sums the
-    per-layer peaks, an upper bound on the stage's peak (each layer's transient buffers are
-    counted as if all were live at once)."""
+    per-layer latencies plus the resharding between layers inside the range.
+
+    Memory: while layer k runs inside the stage, every other layer j holds at most H_j (its
+    parameters, their gradients and its residuals; ``_held_bytes``), and layer k itself at
+    most its own peak. So the stage peaks at sum(H) + max_k(peak_k - H_k): the transients
+    count once, not once per layer as a plain sum of per-layer peaks would."""
     out: list[StageCost | None] = []
-    lat = peak = res = state = 0.0
+    lat = held = res = state = 0.0
+    transient = -math.inf
     for j in range(i, len(table.costs)):
         p = table.costs[j]
         if p is None:
             out.extend([None] * (len(table.costs) - j))
             break
         lat += p.latency + sum(t for a, t in table.reshard_into[j] if a >= i)
-        peak, res, state = peak + p.peak_memory, res + p.residual_bytes, state + p.state_bytes
-        out.append(StageCost(lat, peak, res, state))
+        h = _held_bytes(p)
+        held, transient = held + h, max(transient, p.peak_memory - h)
+        res, state = res + p.residual_bytes, state + p.state_bytes
+        out.append(StageCost(lat, held + transient, res, state))
     return out
+
+
+def _held_bytes(sc: StageCost) -> float:
+    """Bytes per device one layer holds while the other layers of its stage run: its
+    parameters and their gradients in the layouts its ILP chose, and its residuals. Without
+    its plan, its whole peak (the plain sum, as before)."""
+    plan = sc.plan
+    if plan is None:
+        return sc.peak_memory
+    params = sum(
+        math.prod(t.shape)
+        * np.dtype(t.dtype).itemsize
+        / (t.spec.num_shards(plan.mesh_shape) if t.spec is not None else 1)
+        for t in plan.tensors
+        if t.role == "param"
+    )
+    return 2 * params + sc.residual_bytes  # a gradient has its parameter's size
 
 
 def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> StageCost | None:
