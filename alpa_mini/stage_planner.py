@@ -355,12 +355,15 @@ class _StageModel:
             # parameters and state with the batch split (ZeRO-3's layouts, inside the free
             # space) make a far easier MIP: keep whichever plan is faster.
             pinned = dataclasses.replace(opt, layout="zero3", batch_axis=None)
-            zero3 = solve(
-                [
-                    pinned.input_filter(role, graph.tensors[t].shape, logical)
-                    for role, t in zip(roles, graph.inputs, strict=True)
-                ]
-            )
+            try:
+                zero3 = solve(
+                    [
+                        pinned.input_filter(role, graph.tensors[t].shape, logical)
+                        for role, t in zip(roles, graph.inputs, strict=True)
+                    ]
+                )
+            except ValueError:  # some input has no ZeRO-3 layout here (e.g. batch 6 on 4)
+                zero3 = "layout"
             if isinstance(zero3, ShardingPlan) and (
                 not isinstance(plan, ShardingPlan) or zero3.predicted_time < plan.predicted_time
             ):
