@@ -200,7 +200,10 @@ def plan_pipeshard(
 def _trace(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int):
     """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
     with capturing(num_micro_batches) as captures:
-        step, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+        # A fresh closure each time: JAX caches traces by function, and an equal StepFun kept
+        # alive elsewhere (a traceback, a caller) would be served from that cache without
+        # running, so alpa_mini.grad would capture nothing.
+        step, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*avals)
     g = grad_equation(step.jaxpr)
     capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
     return step, out_shape, capture, flatten_calls(capture.loss)

@@ -87,6 +87,10 @@ class AutoStageOption:
     refine: with individual profiling, also solve each chosen stage as one ILP on every
     logical mesh of its submesh and keep the cheapest (whole-stage ILPs per distinct chosen
     stage: slower planning; the composition's estimate no longer decides the final plan).
+    memory_lean: also offer the DP, per submesh, stages whose layers keep parameters and
+    optimiser state fully sharded (ZeRO-3's layouts on the 1-D mesh). Per-layer ILPs choose
+    layouts for speed alone, so stages composed from them can miss memory that a sharded
+    stage fits; one more ILP per layer and submesh.
     """
 
     profiling: str = "individual"
@@ -94,6 +98,7 @@ class AutoStageOption:
     memory_budget: float | None = None
     submesh_space: str = "power_of_two"
     refine: bool = False
+    memory_lean: bool = False
 
     def __post_init__(self) -> None:
         if self.profiling not in ("individual", "whole"):
@@ -105,8 +110,10 @@ class AutoStageOption:
                 f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not one of "
                 f"{', '.join(map(repr, LOGICAL_SHAPE_SPACES))}"
             )
-        if not isinstance(self.refine, bool):
-            raise ConfigError(f"AutoStageOption.refine: {self.refine!r} is not True or False")
+        for name in ("refine", "memory_lean"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"AutoStageOption.{name}: {value!r} is not True or False")
         if self.submesh_space not in ("power_of_two", "all", "one_host"):
             raise ConfigError(
                 f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two', "

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,41 @@ def logical_shapes(submesh: tuple[int, int], mode: str) -> list[tuple[int, ...]]
     return shapes
 
 
+class StageConfig(NamedTuple):
+    """One column of the stage DP's table on a submesh: a logical mesh, and "auto" (the ILP
+    picks every layout) or a preset whose input layouts are pinned ("zero3": parameters and
+    optimiser state fully sharded, the memory-lean choice)."""
+
+    shape: tuple[int, ...]
+    layout: str = "auto"
+
+
+def stage_configs(submesh: tuple[int, int], option: AutoStageOption) -> list[StageConfig]:
+    """The logical meshes of ``option.logical_shapes`` with free layouts, then, with
+    ``option.memory_lean``, the 1-D mesh with ZeRO-3's layouts: composed from per-layer ILPs
+    that each chose layouts for speed alone, a stage can need far more memory than one whose
+    layers all keep their weights sharded."""
+    out = [StageConfig(shape) for shape in logical_shapes(submesh, option.logical_shapes)]
+    if option.memory_lean and submesh[0] * submesh[1] > 1:
+        out.append(StageConfig((submesh[0] * submesh[1],), "zero3"))
+    return out
+
+
+def _config_names(configs: Sequence[Sequence[StageConfig]]) -> tuple[str, ...]:
+    """Names of the DP's config columns (column ci is the ci-th config of every submesh)."""
+    C = max(len(c) for c in configs)
+    names = []
+    for ci in range(C):
+        kinds = {
+            ("1d" if len(c[ci].shape) == 1 else "2d")
+            + ("" if c[ci].layout == "auto" else "-" + c[ci].layout)
+            for c in configs
+            if ci < len(c)
+        }
+        names.append("/".join(sorted(kinds)))
+    return tuple(names)
+
+
 class _StageModel:
     """Builds and solves the per-stage ILP for equation ranges of the forward."""
 
@@ -197,35 +232,40 @@ class _StageModel:
         return self._io(start, end)[0]
 
     def cost(
-        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
+        self,
+        start: int,
+        end: int,
+        submesh: tuple[int, int],
+        logical: tuple[int, ...],
+        layout: str = "auto",
     ) -> StageCost | None:
         io = self._io(start, end)
-        key = (*io[5], submesh, logical)
+        key = (*io[5], submesh, logical, layout)
         if key in self.cache:
             if key in self._fresh:  # solved ahead by ``prefetch``: this is its first use
                 self._fresh.discard(key)
             else:
                 self.stats.cache_hits += 1
             return self.cache[key]
-        result = self._solve(io, submesh, logical)
+        result = self._solve(io, submesh, logical, layout)
         self.cache[key] = result
         return result
 
-    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], tuple[int, ...]]]):
-        """Solve the distinct ILPs behind ``requests`` (start, end, submesh, logical) on a
+    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], StageConfig]]):
+        """Solve the distinct ILPs behind ``requests`` (start, end, submesh, config) on a
         thread pool, so that later ``cost`` calls find them cached.
 
         HiGHS releases the GIL while it solves, so one thread's LP overlaps another's Python
         model building: about 1.7x on two cores. The op graphs are traced first, here, since
         JAX tracing is left to the calling thread.
         """
-        todo: dict[Any, tuple[Any, tuple[int, int], tuple[int, ...]]] = {}
-        for start, end, submesh, logical in requests:
+        todo: dict[Any, tuple[Any, tuple[int, int], tuple[int, ...], str]] = {}
+        for start, end, submesh, (logical, layout) in requests:
             io = self._io(start, end)
-            key = (*io[5], submesh, logical)
+            key = (*io[5], submesh, logical, layout)
             if key not in self.cache:
                 self._graph(io)
-                todo.setdefault(key, (io, submesh, logical))
+                todo.setdefault(key, (io, submesh, logical, layout))
         workers = min(len(todo), _cpu_count())
         if workers <= 1:
             return
@@ -302,13 +342,19 @@ class _StageModel:
         return out
 
     def _solve(
-        self, io: tuple[Any, ...], submesh: tuple[int, int], logical: tuple[int, ...]
+        self,
+        io: tuple[Any, ...],
+        submesh: tuple[int, int],
+        logical: tuple[int, ...],
+        layout: str = "auto",
     ) -> StageCost | None:
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
         graph, res_total, param_bytes = self._graph(io)
         n_dev = submesh[0] * submesh[1]
         cost = self.cost_model(submesh, logical)
         opt = self.method.default_auto_sharding_option
+        if layout != "auto":  # a memory-lean configuration pins a preset's layouts
+            opt = dataclasses.replace(opt, layout=layout, batch_axis=None)
         budget = _budget(self.method, self.cluster)
         # Optimiser state is sharded over the stage's devices, except under plain data
         # parallelism, which keeps a whole copy on every device.
@@ -346,7 +392,12 @@ class _StageModel:
             except MemoryBudgetError as err:
                 return "time" if err.timed_out else "memory"
 
-        plan = solve(filters)
+        try:
+            plan = solve(filters)
+        except ValueError:
+            if layout == "auto":
+                raise
+            return None  # some input has no layout under this preset (e.g. batch 6 on 4)
         unproven = plan == "time" or (
             isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
         )
@@ -496,12 +547,11 @@ def plan_pipeline(
     composed: list[StageCost | None] | None = None
     if isinstance(so, AutoStageOption):
         shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-        configs = [logical_shapes(s, so.logical_shapes) for s in shapes]
+        configs = [stage_configs(s, so) for s in shapes]
         C = max(len(c) for c in configs)
         budget = _budget(method, cluster)
         entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
-        # Config ci is the ci-th logical mesh of each submesh (shapes differ by submesh).
-        names = ("1d", *(("2d",) if C == 2 else (f"2d-{ci}" for ci in range(1, C))))
+        names = _config_names(configs)
         problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         try:
             solution = solve_stages(problem)
@@ -527,7 +577,7 @@ def plan_pipeline(
             ) from None
         ranges = [(st.layer_start, st.layer_end) for st in solution.stages]
         subs = [st.submesh_shape for st in solution.stages]
-        logicals = [configs[st.submesh_index][st.config_index] for st in solution.stages]
+        logicals = [configs[st.submesh_index][st.config_index].shape for st in solution.stages]
         devices = assign_devices(subs, cluster)
         if so.profiling == "individual":  # compose the chosen stages too: no new ILPs
             composed = [
@@ -630,9 +680,9 @@ class _LayerTable:
     reshard_into: list[list[tuple[int, float]]]  # layer b -> [(producer layer a, seconds)]
 
 
-def _layer_table(model, starts, ends, sub, logical) -> _LayerTable:
+def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _LayerTable:
     L = len(starts)
-    costs = [model.cost(starts[k], ends[k], sub, logical) for k in range(L)]
+    costs = [model.cost(starts[k], ends[k], sub, logical, layout) for k in range(L)]
     cm = model.cost_model(sub, logical)
     producer: dict[Any, tuple[int, int]] = {}
     for a in range(L):
@@ -754,10 +804,10 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     individual = option.profiling == "individual"
     total = L * n_cfg if individual else L * (L + 1) // 2 * n_cfg
     requests = [
-        (starts[i], ends[j], sub, logical)
+        (starts[i], ends[j], sub, cfg)
         for si, sub in enumerate(shapes)
         if allowed[si]
-        for logical in configs[si]
+        for cfg in configs[si]
         for i in range(L)
         for j in ([i] if individual else range(i, L))
     ]
@@ -768,9 +818,9 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     for si, sub in enumerate(shapes):
         if not allowed[si]:
             continue
-        for ci, logical in enumerate(configs[si]):
+        for ci, (logical, layout) in enumerate(configs[si]):
             if individual:
-                table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical)
+                table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical, layout)
                 done += L
                 if progress:
                     progress(f"stage costs {done}/{total}")
@@ -781,7 +831,7 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
                 continue
             for i in range(L):
                 for j in range(i, L):
-                    sc = model.cost(starts[i], ends[j], sub, logical)
+                    sc = model.cost(starts[i], ends[j], sub, logical, layout)
                     done += 1
                     if progress:
                         progress(f"stage costs {done}/{total}")

@@ -6,10 +6,10 @@ from abstract shapes on A100 clusters and timed by the same simulator.
 
 Per row (model at the GPU count Alpa benchmarked it on, ``dgx-a100`` hosts of 8): the best
 of data parallel, ZeRO-2, ZeRO-3 and the Megatron-style grid (``alpa_mini.baselines``), and
-our plan (``AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES)``), each the
-fastest over the same micro-batch
-counts; the ratio ours / best baseline (targets: <= 1.00 everywhere, <= 0.90 on MoE and
-Wide-ResNet); our planning time. Every row runs in a fresh process (no warm caches).
+our plan (``AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES,
+memory_lean=True)``), each the fastest over the same micro-batch counts; the ratio ours /
+best baseline (targets: <= 1.00 everywhere, <= 0.90 on MoE and Wide-ResNet); our planning
+time. Every row runs in a fresh process (no warm caches).
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ ILP_TIME_LIMIT = 20.0
 #: (``run_baseline(refine_top=...)``); 0 plans every configuration whole.
 REFINE_TOP = 3
 #: Our logical meshes per submesh: every (dp, tp) split with tp inside a host, the space the
-#: Megatron grid searches too (rows run before 2026-11-21's evening used "auto").
+#: Megatron grid searches too; ZeRO-3-sharded layers offered to the DP (``memory_lean``).
 OUR_LOGICAL_SHAPES = "model_parallel_in_host"
+#: How a row's plan was searched, recorded per row (rows without it: "auto", not lean).
+OUR_SPACE = f"{OUR_LOGICAL_SHAPES}+memory_lean"
 CSV_FIELDS = [
     "model",
     "gpus",
@@ -65,7 +67,7 @@ CSV_FIELDS = [
     "planning_s",
     "baseline_search_s",
     "search",
-    "our_logical_shapes",
+    "our_space",
     "note",
 ]
 
@@ -111,7 +113,9 @@ def row(
         method = alpa_mini.PipeshardParallel(
             num_micro_batches=b,
             layer_option=alpa_mini.ManualLayerOption(),
-            stage_option=alpa_mini.AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES),
+            stage_option=alpa_mini.AutoStageOption(
+                refine=True, logical_shapes=OUR_LOGICAL_SHAPES, memory_lean=True
+            ),
             default_auto_sharding_option=ilp,
             gradient_sync="ilp",
         )
@@ -169,7 +173,7 @@ def row(
         },
         "planning_s": planning,
         "baseline_search": _search_text(refine_top),
-        "our_logical_shapes": OUR_LOGICAL_SHAPES,
+        "our_space": OUR_SPACE,
     }
 
 
@@ -219,7 +223,7 @@ def to_csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "planning_s": r["planning_s"],
                 "baseline_search_s": sum(b["seconds"] for b in r["baselines"]),
                 "search": r.get("baseline_search", "exhaustive"),
-                "our_logical_shapes": r.get("our_logical_shapes", "auto"),
+                "our_space": r.get("our_space", "auto"),
                 "note": note,
             }
         )
@@ -251,7 +255,8 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "(dp, tp, pp, micro-batches) with even layer split and tensor parallelism inside a "
         "host; the best that fits is shown. Ours: the stage DP with `refine=True` over "
         f"logical meshes `{OUR_LOGICAL_SHAPES}` (1-D and every (n/k, k) with k dividing a "
-        "host's devices). Both sides "
+        "host's devices) and `memory_lean=True` (ZeRO-3-sharded layers offered too). "
+        "Both sides "
         f"try micro-batch counts {', '.join(map(str, MICRO_BATCHES))} and an ILP time limit "
         f"of {ILP_TIME_LIMIT:.0f} s. *Search*: how the baseline grid was searched: "
         "*exhaustive* plans every configuration with whole-stage ILPs; *screened* plans every "
@@ -275,11 +280,11 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
             f"{r['search']} |"
         )
     notes = [f"- {r['model']}: {r['note']}" for r in rows if r["note"]]
-    older = [r["model"] for r in rows if r.get("our_logical_shapes", "auto") != OUR_LOGICAL_SHAPES]
+    older = [r["model"] for r in rows if r.get("our_space", "auto") != OUR_SPACE]
     if older:
         notes.append(
             f'- {", ".join(older)}: ours planned with `logical_shapes="auto"` (1-D and one '
-            f"2-D mesh per submesh), before `{OUR_LOGICAL_SHAPES}` became the default here"
+            "2-D mesh per submesh) and without `memory_lean`, the settings before the newer rows"
         )
     if notes:
         lines += ["", *notes]

@@ -246,3 +246,30 @@ def test_unproven_free_stage_ilp_falls_back_to_zero3_layouts(monkeypatch):
     kept, stats = stage("auto")
     assert stats["ilps_solved"] == 2  # the pinned attempt is counted, then given up
     assert kept.latency > 0
+
+
+def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
+    """Four 1024x1024 layers, 512 rows, 4 devices: per-layer ILPs pick layouts for speed,
+    and stages composed from them need about 38 MiB per device; with memory_lean the DP can
+    take ZeRO-3-sharded layers instead, fits in 90% of that, and says which column it used."""
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    step, args = _mlp_args(width=1024, batch=512)
+
+    def plan(lean: bool, budget: float):
+        option = alpa_mini.AutoStageOption(memory_lean=lean, memory_budget=budget)
+        method = alpa_mini.PipeshardParallel(num_micro_batches=1, stage_option=option)
+        return plan_pipeshard(step, args, method, FOUR)
+
+    with pytest.raises(alpa_mini.MemoryBudgetError) as info:
+        plan(False, 1024)
+    need = info.value.min_budget
+    with pytest.raises(alpa_mini.MemoryBudgetError):
+        plan(False, 0.9 * need)
+    lean = plan(True, 0.9 * need)
+    names = lean.stage_problem.config_names
+    for stage, st in zip(lean.stages, lean.stage_solution.stages, strict=True):
+        assert "zero3" in names[st.config_index]
+        assert stage.peak_memory <= 0.9 * need
+    with pytest.raises(ConfigError, match=r"AutoStageOption.memory_lean: 'yes' is not True"):
+        alpa_mini.AutoStageOption(memory_lean="yes")

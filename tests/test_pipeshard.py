@@ -328,3 +328,26 @@ def test_wider_logical_shape_space_never_plans_worse():
     # cpu-2x4: the (2, 4) submesh has (8,), (4, 2), (2, 4); "auto" has (8,), (2, 4).
     assert wide.stage_problem.cost.shape[3] == 3 and auto.stage_problem.cost.shape[3] == 2
     assert wide.stage_solution.objective <= auto.stage_solution.objective * (1 + 1e-12)
+
+
+def test_planning_again_while_an_earlier_failure_is_alive():
+    """A failed plan's traceback keeps its traced step alive; planning the same step again
+    must trace it again (JAX would otherwise serve the cached trace and alpa_mini.grad would
+    capture nothing)."""
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    loss, params, data = _mlp_case()
+    opt = adam(1e-2)
+    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
+    args = (params, opt.init(params), data)
+    cluster = ClusterSpec.named("cpu-1x8")
+
+    def plan(budget):
+        stage = AutoStageOption(memory_budget=budget)
+        method = PipeshardParallel(num_micro_batches=2, stage_option=stage)
+        return plan_pipeshard(step, args, method, cluster)
+
+    with pytest.raises(MemoryBudgetError) as info:
+        plan(64)
+    assert info.value.min_budget is not None
+    assert plan(None).num_stages >= 1
