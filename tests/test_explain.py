@@ -13,9 +13,9 @@ import math
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_shard_parallel import all_reduce, mlp_forward, mlp_inputs, sgd_step
 
 import alpa_mini
 from alpa_mini import Alternative, ClusterSpec, CostModel, Explanation, ShardParallel
@@ -34,34 +34,8 @@ PEAK = CPU.device.flops_for("float32")
 BANDWIDTH = CPU.device.memory_bandwidth
 
 
-def all_reduce(nbytes: float, n: int) -> float:
-    return ALPHA + 2 * BETA * (n - 1) / n * nbytes
-
-
 def all_gather(nbytes: float, n: int) -> float:
     return ALPHA + BETA * (n - 1) / n * nbytes
-
-
-def mlp_forward(p, x):
-    return jax.nn.relu(x @ p["w1"]) @ p["w2"]
-
-
-def mlp_loss(p, x, y):
-    return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - y) ** 2)
-
-
-def sgd_step(p, x, y):
-    loss, g = jax.value_and_grad(mlp_loss)(p, x, y)
-    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
-
-
-def mlp_inputs(batch: int, hidden: int):
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {
-        "w1": jax.random.normal(k[0], (hidden, hidden)) / np.sqrt(hidden),
-        "w2": jax.random.normal(k[1], (hidden, hidden)) / np.sqrt(hidden),
-    }
-    return p, jax.random.normal(k[2], (batch, hidden)), jax.random.normal(k[3], (batch, hidden))
 
 
 def megatron(batch: int = 8, hidden: int = 512):
