@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .pipeshard_method import LOGICAL_SHAPE_SPACES
 from .solvers.errors import InfeasibleError, SolverInputError, SolverTimeLimitError
 from .solvers.ilp import ShardingSolution, solve_sharding
 from .solvers.sharding_problem import ShardingProblem, load_iopddl
@@ -79,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
         default="individual",
         choices=["individual", "whole"],
         help="stage costs from per-layer ILPs (fast) or one ILP per layer range",
+    )
+    plan.add_argument(
+        "--logical-shapes",
+        default="auto",
+        choices=list(LOGICAL_SHAPE_SPACES),
+        help="logical meshes per submesh (model_parallel_in_host: every (dp, tp), tp in a host)",
+    )
+    plan.add_argument(
+        "--memory-lean",
+        action="store_true",
+        help="also offer the DP ZeRO-3-sharded layers (when speed-chosen layers do not fit)",
     )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
@@ -205,7 +217,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         method = PipeshardParallel(
             num_micro_batches=args.micro_batches,
             layer_option=ManualLayerOption(),
-            stage_option=AutoStageOption(profiling=args.profiling),
+            stage_option=AutoStageOption(
+                profiling=args.profiling,
+                logical_shapes=args.logical_shapes,
+                memory_lean=args.memory_lean,
+            ),
             pipeline_schedule=args.schedule,
         )
         opt = adam(1e-4)

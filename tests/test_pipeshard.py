@@ -351,3 +351,17 @@ def test_planning_again_while_an_earlier_failure_is_alive():
         plan(64)
     assert info.value.min_budget is not None
     assert plan(None).num_stages >= 1
+
+
+def test_cli_plan_with_wider_logical_shapes_and_memory_lean(tmp_path):
+    """`alpa-mini plan --logical-shapes model_parallel_in_host --memory-lean`: the DP's table
+    gets one column per (n/k, k) mesh of the (2, 4) submesh plus the ZeRO-3 column."""
+    from alpa_mini.cli import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x4", "--micro-batches", "4"]
+    args += ["--logical-shapes", "model_parallel_in_host", "--memory-lean", "--json", str(out)]
+    assert main(args) == 0
+    names = PipeshardPlan.from_json(out.read_text()).stage_problem.config_names
+    # (2, 4): (8,), (4, 2), (2, 4), then (8,) with ZeRO-3 layouts: four columns.
+    assert len(names) == 4 and names[0] == "1d" and "zero3" in names[-1]
