@@ -607,7 +607,8 @@ def plan_pipeline(
             table = _layer_table(model, starts, ends, subs[0], logicals[0])
             composed = [_composed_stage(model, table, starts, ends, i, j) for i, j in ranges]
             budget = _budget(method, cluster)
-            # Composed peaks sum per-layer peaks; over the budget, the stage has no plan here.
+            # A composed stage over the budget (held bytes plus its largest transient; see
+            # _composed_row) has no plan here.
             composed = [c if c is None or c.peak_memory <= budget else None for c in composed]
     else:
         assert isinstance(so, ManualStageOption)
