@@ -38,7 +38,7 @@ from typing import Any
 from .auto_sharding import MemoryBudgetError
 from .cluster import ClusterSpec, ConfigError
 from .parallel_method import ShardParallel
-from .pipeline_sim import simulate_plan
+from .pipeline_sim import Simulation, simulate_plan
 from .pipeshard_executable import plan_pipeshard
 from .pipeshard_method import ManualLayerOption, PipeshardParallel, UniformStageOption
 from .pipeshard_plan import PipeshardPlan
@@ -78,17 +78,22 @@ def evaluate_plan(plan: PipeshardPlan, cluster: ClusterSpec) -> tuple[float, flo
     """(simulated iteration time, peak bytes on the fullest device, reason it does not fit
     or ""); time is inf when the schedule's in-flight micro-batches overflow a device."""
     sim = simulate_plan(plan, cluster)
+    peak, reason = _overflow(sim, plan, cluster)
+    return (math.inf if reason else sim.iteration_time), peak, reason
+
+
+def _overflow(sim: Simulation, plan: PipeshardPlan, cluster: ClusterSpec) -> tuple[float, str]:
+    """(peak bytes on the fullest device, why it overflows device memory or "")."""
     peak = max(sim.peak_memory)
     limit = cluster.device.memory_bytes
-    if peak > limit:
-        stage = max(range(len(sim.peak_memory)), key=sim.peak_memory.__getitem__)
-        reason = (
-            f"stage {stage} peaks at {peak / 2**30:.1f} GiB per device with "
-            f"{plan.num_micro_batches} micro-batches ({plan.schedule}); devices have "
-            f"{limit / 2**30:.1f} GiB"
-        )
-        return math.inf, peak, reason
-    return sim.iteration_time, peak, ""
+    if peak <= limit:
+        return peak, ""
+    stage = max(range(len(sim.peak_memory)), key=sim.peak_memory.__getitem__)
+    return peak, (
+        f"stage {stage} peaks at {peak / 2**30:.1f} GiB per device with "
+        f"{plan.num_micro_batches} micro-batches ({plan.schedule}); devices have "
+        f"{limit / 2**30:.1f} GiB"
+    )
 
 
 def megatron_configs(
@@ -159,8 +164,10 @@ def run_baseline(
         option = dataclasses.replace(ilp, batch_axis=None, layout=layout)
     t0 = time.perf_counter()
 
-    def attempt(c: dict[str, int], profiling: str) -> tuple[PipeshardPlan | None, float, str]:
-        """(plan, simulated seconds ignoring memory, reason it does not fit or "")."""
+    def attempt(
+        c: dict[str, int], profiling: str
+    ) -> tuple[PipeshardPlan | None, float, float, str]:
+        """(plan, simulated seconds ignoring memory, peak bytes, reason it does not fit)."""
         if progress is not None:
             progress(f"{name}: {_label(c)} ({profiling})")
         per_stage = n // c["pp"]
@@ -178,23 +185,21 @@ def run_baseline(
         try:
             plan = plan_pipeshard(step, args, method, cluster)
         except MemoryBudgetError as err:
-            return None, math.inf, f"{_label(c)}: {err}"
-        seconds, _, reason = evaluate_plan(plan, cluster)
-        if reason:
-            return plan, simulate_plan(plan, cluster).iteration_time, f"{_label(c)}: {reason}"
-        return plan, seconds, ""
+            return None, math.inf, math.inf, f"{_label(c)}: {err}"
+        sim = simulate_plan(plan, cluster)
+        peak, reason = _overflow(sim, plan, cluster)
+        return plan, sim.iteration_time, peak, f"{_label(c)}: {reason}" if reason else ""
 
     best: BaselineResult | None = None
     fits: dict[int, str] = {}  # config index -> "" when some plan of it fits, else why not
 
-    def keep(k: int, plan: PipeshardPlan | None, seconds: float, reason: str) -> None:
+    def keep(k: int, plan: PipeshardPlan | None, seconds: float, peak: float, reason: str) -> None:
         nonlocal best
         if reason:
             fits.setdefault(k, reason)
             return
         fits[k] = ""
         if best is None or seconds < best.iteration_time:
-            peak = max(simulate_plan(plan, cluster).peak_memory)
             best = BaselineResult(name, seconds, dict(configs[k]), peak, plan)
 
     if refine_top is None:
@@ -203,8 +208,8 @@ def run_baseline(
     else:
         timed, untimed = [], []
         for k, c in enumerate(configs):
-            plan, seconds, reason = attempt(c, "individual")
-            keep(k, plan, seconds, reason)
+            plan, seconds, peak, reason = attempt(c, "individual")
+            keep(k, plan, seconds, peak, reason)
             # Composition over-counts memory, so whole stages may fit where it did not:
             # simulated ones rank by time, the rest follow with more stages first.
             (timed if plan is not None else untimed).append((seconds, k))
@@ -213,9 +218,9 @@ def run_baseline(
         for k in order[: 3 * refine_top]:
             if confirmed >= refine_top:
                 break
-            plan, seconds, reason = attempt(configs[k], "whole")
+            plan, seconds, peak, reason = attempt(configs[k], "whole")
             confirmed += not reason
-            keep(k, plan, seconds, reason)
+            keep(k, plan, seconds, peak, reason)
     infeasible = sum(1 for why in fits.values() if why)
     reasons = [why for why in fits.values() if why]
     elapsed = time.perf_counter() - t0
