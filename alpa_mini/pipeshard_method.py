@@ -84,9 +84,10 @@ class AutoStageOption:
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
     host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
     (what the Ray runtime can run without a ``jax.distributed`` group of its hosts).
-    refine: with individual profiling, also solve each chosen stage as one ILP on every
-    logical mesh of its submesh and keep the cheapest (whole-stage ILPs per distinct chosen
-    stage: slower planning; the composition's estimate no longer decides the final plan).
+    refine: with individual profiling, also solve each chosen stage as one ILP in every
+    config of its submesh (each logical mesh, and the ZeRO-3 column under ``memory_lean``)
+    and keep the cheapest (whole-stage ILPs per distinct chosen stage: slower planning; the
+    composition's estimate no longer decides the final plan).
     memory_lean: also offer the DP, per submesh, stages whose layers keep parameters and
     optimiser state fully sharded (ZeRO-3's layouts on the 1-D mesh). Per-layer ILPs choose
     layouts for speed alone, so stages composed from them can miss memory that a sharded

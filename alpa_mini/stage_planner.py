@@ -634,12 +634,13 @@ def plan_pipeline(
             sc = composed[s]
             # Composed (individual profiling); only auto stages have ``refine``.
             if getattr(so, "refine", False) and sc is not None:
-                # Every logical mesh of the chosen submesh, solved whole: the composition
-                # ranks meshes by an estimate, the whole ILP by the stage's own cost.
-                for shape in logical_shapes(sub, so.logical_shapes):
-                    whole = model.cost(starts[i], ends[j], sub, shape)
+                # Every config of the chosen submesh (logical mesh and layout; with
+                # memory_lean the ZeRO-3 column too), solved whole: the composition ranks
+                # them by an estimate, the whole ILP by the stage's own cost.
+                for cfg in stage_configs(sub, so):
+                    whole = model.cost(starts[i], ends[j], sub, cfg.shape, cfg.layout)
                     if whole is not None and whole.latency < sc.latency:
-                        sc, logical = whole, shape
+                        sc, logical = whole, cfg.shape
         else:
             model.stats.cost_entries += not isinstance(so, AutoStageOption)
             sc = model.cost(starts[i], ends[j], sub, logical)

@@ -273,3 +273,41 @@ def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
         assert stage.peak_memory <= 0.9 * need
     with pytest.raises(ConfigError, match=r"AutoStageOption.memory_lean: 'yes' is not True"):
         alpa_mini.AutoStageOption(memory_lean="yes")
+
+
+def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
+    """With free layouts made 100x slower (still proven optimal, so no ZeRO-3 fallback), the
+    DP picks the memory-lean column; ``refine`` must then re-plan the chosen stage whole in
+    that column too, and land exactly on the whole-stage ZeRO-3 plan, which beats the
+    composition (whose per-layer pieces reshard between layers)."""
+    from alpa_mini import stage_planner
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    real = stage_planner.plan_sharding
+
+    def slow_free(graph, cost, axis_names, *, input_filters=None, **kw):
+        plan = real(graph, cost, axis_names, input_filters=input_filters, **kw)
+        if input_filters is not None:
+            return plan
+        return dataclasses.replace(plan, compute_time=100 * plan.compute_time)
+
+    monkeypatch.setattr(stage_planner, "plan_sharding", slow_free)
+    step, args = _mlp_args(width=256, batch=64)
+
+    def plan(stage_option, layout="auto"):
+        method = alpa_mini.PipeshardParallel(
+            num_micro_batches=1,
+            stage_option=stage_option,
+            default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
+        )
+        return plan_pipeshard(step, args, method, FOUR)
+
+    composed = plan(alpa_mini.AutoStageOption(memory_lean=True))
+    refined = plan(alpa_mini.AutoStageOption(memory_lean=True, refine=True))
+    whole = plan(alpa_mini.UniformStageOption(1, (1, 4)), layout="zero3")
+    names = composed.stage_problem.config_names
+    assert [names[st.config_index] for st in composed.stage_solution.stages] == ["1d-zero3"]
+    assert [s.submesh for s in refined.stages] == [(1, 4)]
+    assert refined.stages[0].latency == pytest.approx(whole.stages[0].latency, rel=1e-12)
+    assert refined.stages[0].in_specs == whole.stages[0].in_specs
+    assert whole.stages[0].latency < composed.stages[0].latency
