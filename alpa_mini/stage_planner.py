@@ -402,23 +402,28 @@ class _StageModel:
             isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
         )
         if filters is None and unproven:
-            # The free MIP stopped unproven (or found nothing in time). Fully sharded
-            # parameters and state with the batch split (ZeRO-3's layouts, inside the free
-            # space) make a far easier MIP: keep whichever plan is faster.
-            pinned = dataclasses.replace(opt, layout="zero3", batch_axis=None)
-            try:
-                zero3 = solve(
-                    [
-                        pinned.input_filter(role, graph.tensors[t].shape, logical)
-                        for role, t in zip(roles, graph.inputs, strict=True)
-                    ]
-                )
-            except ValueError:  # some input has no ZeRO-3 layout here (e.g. batch 6 on 4)
-                zero3 = "layout"
-            if isinstance(zero3, ShardingPlan) and (
-                not isinstance(plan, ShardingPlan) or zero3.predicted_time < plan.predicted_time
+            # The free MIP stopped unproven (or found nothing in time). Two restrictions of
+            # the free space make far easier MIPs: ZeRO-3's layouts (parameters and state
+            # fully sharded, the batch split), and Megatron's (the batch split on the mesh's
+            # first axis, everything else free). Keep whichever plan is fastest.
+            for pinned in (
+                dataclasses.replace(opt, layout="zero3", batch_axis=None),
+                dataclasses.replace(opt, layout="auto", batch_axis=0),
             ):
-                plan = zero3
+                pins = [
+                    pinned.input_filter(role, graph.tensors[t].shape, logical)
+                    for role, t in zip(roles, graph.inputs, strict=True)
+                ]
+                if all(p is None for p in pins):
+                    continue  # nothing pinned (a mesh whose first axis is 1): the free MIP
+                try:
+                    other = solve(pins)
+                except ValueError:  # some input has no such layout (e.g. batch 6 on 4)
+                    continue
+                if isinstance(other, ShardingPlan) and (
+                    not isinstance(plan, ShardingPlan) or other.predicted_time < plan.predicted_time
+                ):
+                    plan = other
         if not isinstance(plan, ShardingPlan):
             return None  # this stage does not fit here; the DP sees an infinite cost
         in_spec_of = {
