@@ -70,19 +70,12 @@ class PipeshardExecutable:
         Instructions run back to back while profiled, so the trace shows where each mesh's
         time goes, not how much the meshes overlap in a plain step.
         """
-        from .runtime.trace import measured_events
-        from .timeline import mesh_track_names, write_timeline
+        from .timeline import write_measured_trace
 
         _, timings = self.profile(*args)
-        events = measured_events(timings)
-        names = mesh_track_names(self.plan)
-        process = f"alpa_mini measured ({self.fun_name})"
-        step = timings[-1].end - timings[0].start if timings else 0.0
-        title = (
-            f"measured {self.fun_name}: {self.plan.schedule}, {self.plan.num_stages} stages, "
-            f"B={self.plan.num_micro_batches}, {step * 1e3:.3f} ms (instructions back to back)"
+        write_measured_trace(
+            path, timings, self.plan, self.fun_name, how="instructions back to back", png=png
         )
-        write_timeline(path, events, names, title=title, process_name=process, png=png)
         return timings
 
     def instructions(self, limit: int | None = 60) -> str:

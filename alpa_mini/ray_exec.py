@@ -23,6 +23,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from .pipeshard_method import AutoStageOption, PipeshardParallel
 from .pipeshard_plan import PipeshardPlan
 from .ray_setup import RaySession, WorkerFailedError
 from .runtime.instructions import Free, Gather, Instruction, Put, Recv, Run, Send
-from .runtime.local import LocalRuntime
+from .runtime.local import InstructionTiming, LocalRuntime
 from .runtime.ray_worker import Resident
 
 __all__ = [
@@ -237,6 +238,7 @@ class RayPipeshardExecutable:
     out_literals: dict[int, Any]
     out_devices: dict[str, tuple[int, ...]]  # plan devices of outputs sharded over hosts
     arg_devices: dict[str, set[tuple[int, ...]]]  # plan devices each step input is put on
+    stage_host: tuple[tuple[int, ...], ...]  # the hosts of every stage's mesh
     in_tree: Any
     out_tree: Any
     static_argnums: tuple[int, ...]
@@ -245,6 +247,43 @@ class RayPipeshardExecutable:
     _steps: Any = field(default_factory=itertools.count)
 
     def __call__(self, *args: Any) -> Any:
+        return self._run(args, timed=False)
+
+    def profile(self, *args: Any) -> tuple[Any, list[InstructionTiming]]:
+        """One step with every instruction timed on its worker (each waits for its results
+        before the next starts; the hosts still run side by side): the step's outputs and
+        the intervals, in ``time.time`` seconds, each with the host that ran it."""
+        import ray
+
+        outs = self._run(args, timed=True)
+        per_host = ray.get([w.last_timings.remote() for w in self.session.workers])
+        timings = [t for host in per_host for t in host]
+        return outs, sorted(timings, key=lambda t: (t.start, t.host, t.index))
+
+    def trace(self, path: str | Path, *args: Any, png: bool = True) -> list[InstructionTiming]:
+        """One profiled step (``profile``) as a Chrome trace at ``path`` plus a Gantt chart
+        beside it (same stem, .png), one track per mesh named like
+        ``PipeshardPlan.timeline``'s; returns every host's timings.
+
+        Instructions of one host run back to back while profiled, but the hosts run side by
+        side, so the trace shows how the meshes of different hosts overlap. A mesh spanning
+        hosts runs each instruction on all of them in lockstep: its track shows its first
+        host's intervals (the others are in the returned timings).
+        """
+        from .timeline import write_measured_trace
+
+        _, timings = self.profile(*args)
+        first = {m: hosts[0] for m, hosts in enumerate(self.stage_host)}
+        shown = [
+            t
+            for t in timings
+            if isinstance(t.instruction, Send | Recv) or t.host == first[t.instruction.mesh]
+        ]
+        how = "back to back on each host, hosts side by side"
+        write_measured_trace(path, shown, self.plan, self.fun_name, how=how, png=png)
+        return timings
+
+    def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
         import ray
 
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
@@ -258,6 +297,7 @@ class RayPipeshardExecutable:
                 step,
                 {n: self._input(flat[int(n[3:])], host, n) for n in need},
                 [k for h, k in garbage if h == host],
+                timed,
             )
             for host, (w, key, need) in enumerate(zip(workers, self.keys, self.needs, strict=True))
         ]
@@ -424,6 +464,7 @@ def compile_pipeshard_ray(
         out_literals=dict(meta["out_literals"]),
         out_devices=dict(meta["out_devices"]),
         arg_devices=dict(meta["arg_devices"]),
+        stage_host=tuple(hosts),
         in_tree=in_tree,
         out_tree=jax.tree.structure(out_shape),
         static_argnums=tuple(i for i, _ in static),

@@ -18,12 +18,14 @@ from .runtime.trace import TraceEvent, write_chrome_trace
 if TYPE_CHECKING:
     from .pipeline_sim import Simulation
     from .pipeshard_plan import PipeshardPlan
+    from .runtime.local import InstructionTiming
 
 __all__ = [
     "bubble_fraction",
     "mesh_track_names",
     "plot_timeline",
     "simulated_events",
+    "write_measured_trace",
     "write_timeline",
 ]
 
@@ -213,3 +215,33 @@ def write_timeline(
         return path, None
     plot_timeline(events, image, title=title, track_names=track_names)
     return path, image
+
+
+def write_measured_trace(
+    path: str | Path,
+    timings: Sequence[InstructionTiming],
+    plan: PipeshardPlan,
+    fun_name: str,
+    *,
+    how: str,
+    png: bool = True,
+) -> tuple[Path, Path | None]:
+    """A runtime's measured instruction intervals as a Chrome trace (and PNG), one track per
+    mesh named like ``PipeshardPlan.timeline``'s; ``how`` says how they were measured (it
+    ends the chart's title)."""
+    from .runtime.trace import measured_events
+
+    events = measured_events(timings)
+    step = max(t.end for t in timings) - min(t.start for t in timings) if timings else 0.0
+    title = (
+        f"measured {fun_name}: {plan.schedule}, {plan.num_stages} stages, "
+        f"B={plan.num_micro_batches}, {step * 1e3:.3f} ms ({how})"
+    )
+    return write_timeline(
+        path,
+        events,
+        mesh_track_names(plan),
+        title=title,
+        process_name=f"alpa_mini measured ({fun_name})",
+        png=png,
+    )

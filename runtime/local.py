@@ -87,12 +87,15 @@ class LocalRuntime:
 
 @dataclass(frozen=True)
 class InstructionTiming:
-    """One instruction's measured interval (``time.perf_counter`` seconds)."""
+    """One instruction's measured interval: ``time.perf_counter`` seconds in the local
+    runtime; on Ray workers ``time.time`` seconds (one clock for every process of a machine)
+    and the ``host`` whose worker ran it."""
 
     index: int
     instruction: Instruction
     start: float
     end: float
+    host: int | None = None
 
     @property
     def seconds(self) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .instructions import Gather, Recv, Send
-from .local import LocalRuntime
+from .local import InstructionTiming, LocalRuntime
 
 __all__ = ["HostWorker", "Resident", "place"]
 
@@ -61,6 +61,7 @@ class HostWorker:
         self._mailbox: dict[tuple[int, str], Any] = {}
         self._arrived = threading.Condition()
         self._resident: dict[str, Any] = {}
+        self._timings: list[InstructionTiming] = []
 
     def free_address(self, loopback: bool) -> str:
         """``ip:port`` on this node where a ``jax.distributed`` coordinator can listen."""
@@ -137,13 +138,20 @@ class HostWorker:
             self._arrived.notify_all()
 
     def run_step(
-        self, key: int, step: int, inputs: dict[str, Any], release: list[str] = ()
+        self,
+        key: int,
+        step: int,
+        inputs: dict[str, Any],
+        release: list[str] = (),
+        timed: bool = False,
     ) -> dict[str, Any]:
         """Run this host's stream of executable ``key`` for one step. The step outputs this
         host holds stay here (resident, in their layouts); returns, per output, the key to
         ``fetch`` it by, its shape and dtype. An input given as ``Resident(key)`` is such a
         kept value (the parameters a previous step returned), used without a copy.
-        ``release`` names resident values whose handles the driver dropped."""
+        ``release`` names resident values whose handles the driver dropped. ``timed``: every
+        instruction waits for its results and its interval is kept for ``last_timings``
+        (a ``Recv``'s interval is its wait for the peer)."""
         import jax
         import numpy as np
 
@@ -154,7 +162,9 @@ class HostWorker:
             for name, v in inputs.items()
         }
         in_flight: collections.deque[Any] = collections.deque()
-        for ins in stream:
+        self._timings = []
+        for index, ins in enumerate(stream):
+            start = time.time() if timed else 0.0
             if isinstance(ins, Send):
                 value = np.asarray(buffers[ins.src])
                 self._peers[ins.to].deliver.remote(step, ins.tag, value)
@@ -165,10 +175,15 @@ class HostWorker:
                     buffers[ins.dst] = gather(buffers[ins.src])
                 else:
                     runtime.execute_one(ins, buffers)
-                if self._throttle:
-                    in_flight.append([buffers[n] for n in runtime.written(ins) if n in buffers])
+                written = [buffers[n] for n in runtime.written(ins) if n in buffers]
+                if timed:
+                    jax.block_until_ready(written)
+                elif self._throttle:
+                    in_flight.append(written)
                     if len(in_flight) > CPU_GROUP_IN_FLIGHT:
                         jax.block_until_ready(in_flight.popleft())
+            if timed:
+                self._timings.append(InstructionTiming(index, ins, start, time.time(), self.host))
         outs = {name: buffers[name] for name in holds}
         jax.block_until_ready(list(outs.values()))
         meta = {}
@@ -177,6 +192,10 @@ class HostWorker:
             self._resident[rkey] = value
             meta[name] = (rkey, tuple(value.shape), str(value.dtype))
         return meta
+
+    def last_timings(self) -> list[InstructionTiming]:
+        """The instruction intervals of this worker's last ``run_step(..., timed=True)``."""
+        return list(self._timings)
 
     def fetch(self, rkey: str) -> Any:
         """A resident value as a numpy array; for one sharded over several hosts' devices,

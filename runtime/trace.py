@@ -172,8 +172,9 @@ def _jsonable(value: Any) -> Any:
 
 def measured_events(timings: Sequence[InstructionTiming]) -> list[TraceEvent]:
     """One event per measured instruction, on its mesh's track, in seconds from the first
-    instruction's start. Args hold the instruction's index, its buffers and fields (the
-    program for a run) and its micro-batch where every buffer names the same one."""
+    instruction's start. Args hold the instruction's index (and host, on Ray), its buffers
+    and fields (the program for a run) and its micro-batch where every buffer names the same
+    one."""
     if not timings:
         return []
     t0 = min(t.start for t in timings)
@@ -182,6 +183,8 @@ def measured_events(timings: Sequence[InstructionTiming]) -> list[TraceEvent]:
         ins = t.instruction
         name, category = _describe(ins)
         args: dict[str, Any] = {"index": t.index}
+        if t.host is not None:
+            args["host"] = t.host
         if dataclasses.is_dataclass(ins):
             for f in dataclasses.fields(ins):
                 if f.name != "mesh":

@@ -3,6 +3,7 @@ against serial JAX and the local runtime, cross-host transfers, clear errors."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import jax
@@ -74,8 +75,9 @@ METHODS = {
 
 
 @pytest.fixture(scope="module")
-def ray_results():
-    """Train every method on Ray (one embedded head for the module), then locally."""
+def ray_results(tmp_path_factory):
+    """Train every method on Ray (one embedded head for the module), then locally; trace
+    one more step of the first method."""
     alpa_mini.shutdown()
     results = {}
     try:
@@ -106,6 +108,16 @@ def ray_results():
                 "resident": sum(ref for _, ref in sent) > len(sent) // 2
                 and all(here == ref for here, ref in sent),
             }
+            if name == "2 stages, 1F1B":
+                path = tmp_path_factory.mktemp("ray_trace") / "step.json"
+                timings = ex.trace(path, kept["p"], kept["s"], kept["batch"])
+                outs, _ = ex.profile(kept["p"], kept["s"], kept["batch"])
+                results["trace"] = {
+                    "timings": timings,
+                    "path": path,
+                    "loss": float(outs[2]),
+                    "stage_host": ex.stage_host,
+                }
     finally:
         alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
@@ -137,6 +149,56 @@ def test_ray_steps_equal_serial_jax_and_the_local_runtime(ray_results, name):
     assert hosts == {0, 1}
     assert all(len({d // 4 for d in s.devices}) == 1 for s in r["plan"].stages)
     assert r["handles"] and r["resident"]
+
+
+def test_ray_trace_times_every_instruction_on_every_host(ray_results):
+    """``trace`` on Ray: every worker's stream is timed once, in order; a ``Recv`` ends
+    after its ``Send`` starts; the two hosts' programs overlap in time (they run side by
+    side, unlike the local runtime's profile); the trace file holds one event per timing on
+    the plan's mesh tracks; and a timed step computes what serial JAX does."""
+    import json
+
+    from alpa_mini.runtime.instructions import Recv, Run, Send
+    from alpa_mini.timeline import mesh_track_names
+
+    r = ray_results["trace"]
+    timings, plan = r["timings"], ray_results["2 stages, 1F1B"]["plan"]
+    by_host: dict[int, list] = {}
+    for t in timings:
+        by_host.setdefault(t.host, []).append(t)
+    assert sorted(by_host) == [0, 1] and r["stage_host"] == ((0,), (1,))
+    for host, ts in by_host.items():
+        ts.sort(key=lambda t: t.index)
+        assert [t.index for t in ts] == list(range(len(ts)))
+        for a, b in itertools.pairwise(ts):
+            assert a.start <= a.end <= b.start  # back to back on one worker
+        assert {t.instruction.mesh for t in ts if isinstance(t.instruction, Run)} == {host}
+    sends = {t.instruction.tag: t for t in timings if isinstance(t.instruction, Send)}
+    recvs = {t.instruction.tag: t for t in timings if isinstance(t.instruction, Recv)}
+    assert sends and set(sends) == set(recvs)
+    assert all(recvs[tag].end >= sends[tag].start for tag in sends)
+    runs = {
+        h: [(t.start, t.end) for t in by_host[h] if isinstance(t.instruction, Run)] for h in (0, 1)
+    }
+    overlap = sum(max(0.0, min(e0, e1) - max(s0, s1)) for s0, e0 in runs[0] for s1, e1 in runs[1])
+    assert overlap > 0
+    trace = json.loads(r["path"].read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    threads = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"
+    }
+    assert threads == mesh_track_names(plan)
+    assert len(xs) == len(timings)  # one host per mesh: every timing is shown
+    t0 = min(t.start for t in timings)
+    shown = {(x["args"]["host"], x["args"]["index"]): x for x in xs}
+    for t in timings:
+        x = shown[(t.host, t.index)]
+        assert x["tid"] == t.instruction.mesh
+        assert x["dur"] == pytest.approx((t.end - t.start) * 1e6, rel=1e-9, abs=1e-6)
+        assert x["ts"] == pytest.approx((t.start - t0) * 1e6, rel=1e-9, abs=1e-6)
+    assert r["path"].with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _, s_losses = _serial(steps=4)  # the traced step is the fourth
+    assert r["loss"] == pytest.approx(s_losses[3], rel=2e-5)
 
 
 #: Stage 0 spans hosts 0 and 1 (two workers x 4 CPU devices, one jax.distributed group);
