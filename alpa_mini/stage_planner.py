@@ -631,6 +631,16 @@ def plan_pipeline(
         else:
             _check_devices(subs, cluster)
             devices = assign_devices(subs, cluster)
+    refine = composed is not None and getattr(so, "refine", False)
+    if refine:  # the whole-stage ILPs of every chosen stage, on the thread pool up front
+        model.prefetch(
+            [
+                (starts[i], ends[j], sub, cfg)
+                for (i, j), sub, sc in zip(ranges, subs, composed, strict=True)
+                if sc is not None
+                for cfg in stage_configs(sub, so)
+            ]
+        )
     decisions = []
     for s, ((i, j), sub, logical, devs) in enumerate(
         zip(ranges, subs, logicals, devices, strict=True)
@@ -638,7 +648,7 @@ def plan_pipeline(
         if composed is not None:
             sc = composed[s]
             # Composed (individual profiling); only auto stages have ``refine``.
-            if getattr(so, "refine", False) and sc is not None:
+            if refine and sc is not None:
                 # Every config of the chosen submesh (logical mesh and layout; with
                 # memory_lean the ZeRO-3 column too), solved whole: the composition ranks
                 # them by an estimate, the whole ILP by the stage's own cost.
