@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +35,47 @@ def update_section(name: str, markdown: str) -> None:
     REPORT.write_text(text)
 
 
+#: A child's stdout line with this prefix is echoed by the parent as it arrives.
+PROGRESS = "PROGRESS "
+
+
+def progress(message: str) -> None:
+    """From a child: one line the parent shows at once (long rows take many minutes)."""
+    print(PROGRESS + message, flush=True)
+
+
 def run_child(module: str, args: list[str], timeout: float) -> Any:
     """Run ``python -m module args`` from the repository root in a fresh process (its own
-    JAX, no warm caches) and return the JSON it prints on a ``RESULT `` line."""
-    proc = subprocess.run(
+    JAX, no warm caches) and return the JSON it prints on a ``RESULT `` line; its
+    ``progress`` lines are echoed (indented) while it runs."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=timeout,
     )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        # stderr drains on a thread, so a chatty child cannot block on a full pipe.
+        err: list[str] = []
+        drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+        drain.start()
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith(PROGRESS):
+                print("  " + line[len(PROGRESS) :].rstrip(), flush=True)
+        proc.wait()
+        drain.join()
+    finally:
+        timer.cancel()
+    result = next((ln for ln in out if ln.startswith("RESULT ")), None)
+    if result is None:
+        why = f"killed after {timeout:.0f} s" if proc.returncode == -9 else "failed"
         raise RuntimeError(
-            f"{module} {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+            f"{module} {' '.join(args)} {why}:\n{''.join(out)[-2000:]}{''.join(err)[-3000:]}"
         )
-    return json.loads(line[len("RESULT ") :])
+    return json.loads(result[len("RESULT ") :])

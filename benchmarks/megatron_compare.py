@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from benchmarks._report import RESULTS, run_child, update_section
+from benchmarks._report import RESULTS, progress, run_child, update_section
 
 __all__ = ["ROWS", "main", "row"]
 
@@ -79,15 +79,19 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
     submesh = (per_stage // 8, 8) if per_stage >= 8 else (1, per_stage)
     counts = _micro_batch_counts(spec.batch_size, pub["dp"])
 
-    def best_of(make_method) -> tuple[float, Any, list[str]]:
+    def best_of(make_method, who: str) -> tuple[float, Any, list[str]]:
         best, best_plan, reasons = math.inf, None, []
         for b in counts:
+            tb = time.perf_counter()
             try:
                 plan = plan_pipeshard(step, args, make_method(b), cluster)
             except MemoryBudgetError as err:
                 reasons.append(f"B={b}: {str(err)[:140]}")
+                progress(f"{name} {who} B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")
                 continue
             seconds, _, reason = evaluate_plan(plan, cluster)
+            took = time.perf_counter() - tb
+            progress(f"{name} {who} B={b}: {seconds:.3f} s {reason} ({took:.0f} s)")
             if reason:
                 reasons.append(f"B={b}: {reason}")
             elif seconds < best:
@@ -102,7 +106,8 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
             stage_option=alpa_mini.UniformStageOption(pub["pp"], submesh, (pub["dp"], pub["tp"])),
             default_auto_sharding_option=dataclasses.replace(ilp, batch_axis=0),
             gradient_sync="ilp",
-        )
+        ),
+        "Megatron",
     )
     their_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -115,7 +120,8 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
             ),
             default_auto_sharding_option=ilp,
             gradient_sync="ilp",
-        )
+        ),
+        "ours",
     )
     return {
         "model": name,

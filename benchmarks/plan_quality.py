@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._report import RESULTS, run_child, update_section
+from benchmarks._report import RESULTS, progress, run_child, update_section
 
 __all__ = ["SUITES", "cluster_for", "main", "row", "to_csv_rows", "to_markdown"]
 
@@ -119,17 +119,21 @@ def row(
             default_auto_sharding_option=ilp,
             gradient_sync="ilp",
         )
+        tb = time.perf_counter()
         try:
             plan = plan_pipeshard(step, args, method, cluster)
         except MemoryBudgetError as err:
             ours["reasons"].append(f"B={b}: {str(err)[:160]}")
+            progress(f"{name} ours B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")
             continue
         seconds, _, reason = evaluate_plan(plan, cluster)
+        progress(f"{name} ours B={b}: {seconds:.3f} s {reason} ({time.perf_counter() - tb:.0f} s)")
         if reason:
             ours["reasons"].append(f"B={b}: {reason}")
         elif seconds < ours["time"]:
             ours.update(time=seconds, plan=plan)
     planning = time.perf_counter() - t0
+    progress(f"{name} baselines ...")
 
     baselines = run_baselines(
         step,

@@ -131,3 +131,17 @@ def test_calibration_error_is_the_median_relative_error_per_cluster():
     assert "| a | 1x4dev (4) | 1 | 700.00 | 1000.00 | 30% | – | – | – |" in text
     worse = [dict(p, predicted=p["predicted"] * 2) for p in points]
     assert "**missed**" in calibration_markdown(worse, profile, "cmd", 1.0)
+
+
+def test_benchmark_children_report_progress_results_and_failures(capsys):
+    """``run_child`` echoes a child's progress lines as they come, returns its RESULT, and
+    names the child and its own stderr when it fails or runs past its timeout."""
+    from benchmarks._report import run_child
+
+    assert run_child("tests.bench_child_probe", ["ok"], timeout=120) == {"rows": 2}
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == ["  row 1 of 2", "  row 2 of 2"]
+    with pytest.raises(RuntimeError, match=r"(?s)bench_child_probe fail failed.*own reason"):
+        run_child("tests.bench_child_probe", ["fail"], timeout=120)
+    with pytest.raises(RuntimeError, match=r"bench_child_probe hang killed after 2 s"):
+        run_child("tests.bench_child_probe", ["hang"], timeout=2)

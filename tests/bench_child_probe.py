@@ -1,0 +1,20 @@
+"""A stand-in benchmark child for ``test_bench_reports``: ``ok`` reports progress then a
+result, ``fail`` dies with a message on stderr, ``hang`` never answers."""
+
+import json
+import sys
+import time
+
+from benchmarks._report import progress
+
+mode = sys.argv[1]
+if mode == "ok":
+    progress("row 1 of 2")
+    print("some other output", flush=True)
+    progress("row 2 of 2")
+    print("RESULT " + json.dumps({"rows": 2}), flush=True)
+elif mode == "fail":
+    print("the child's own reason", file=sys.stderr, flush=True)
+    raise SystemExit(3)
+else:
+    time.sleep(60)
