@@ -88,6 +88,10 @@ class AutoStageOption:
     config of its submesh (each logical mesh, and the ZeRO-3 column under ``memory_lean``)
     and keep the cheapest (whole-stage ILPs per distinct chosen stage: slower planning; the
     composition's estimate no longer decides the final plan).
+    refine_within: with ``refine``, re-plan only the configs whose composed estimate for the
+    stage is within this fraction of the chosen config's (the chosen one always); None:
+    every config. Whole-stage ILPs dominate refined planning, so this trades a little of
+    refine's reach for time.
     memory_lean: also offer the DP, per submesh, stages whose layers keep parameters and
     optimiser state fully sharded (ZeRO-3's layouts on the 1-D mesh). Per-layer ILPs choose
     layouts for speed alone, so stages composed from them can miss memory that a sharded
@@ -100,6 +104,7 @@ class AutoStageOption:
     submesh_space: str = "power_of_two"
     refine: bool = False
     memory_lean: bool = False
+    refine_within: float | None = None
 
     def __post_init__(self) -> None:
         if self.profiling not in ("individual", "whole"):
@@ -124,6 +129,13 @@ class AutoStageOption:
             raise ConfigError(
                 f"AutoStageOption.memory_budget: {self.memory_budget!r} is invalid; "
                 "expected bytes > 0 or None"
+            )
+        w = self.refine_within
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int | float) or not w >= 0):
+            raise ConfigError(
+                f"AutoStageOption.refine_within: {w!r} is invalid; expected a fraction >= 0 "
+                "(0.05: configs whose composed estimate is within 5% of the chosen one's) or "
+                "None (every config)"
             )
 
 

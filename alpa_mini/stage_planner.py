@@ -633,12 +633,17 @@ def plan_pipeline(
             devices = assign_devices(subs, cluster)
     refine = composed is not None and getattr(so, "refine", False)
     if refine:  # the whole-stage ILPs of every chosen stage, on the thread pool up front
+        assert solution is not None and composed is not None
+        to_refine = [
+            _refine_configs(model, tables, starts, ends, st, configs, so.refine_within)
+            for st in solution.stages
+        ]
         model.prefetch(
             [
                 (starts[i], ends[j], sub, cfg)
-                for (i, j), sub, sc in zip(ranges, subs, composed, strict=True)
+                for (i, j), sub, sc, cfgs in zip(ranges, subs, composed, to_refine, strict=True)
                 if sc is not None
-                for cfg in stage_configs(sub, so)
+                for cfg in cfgs
             ]
         )
     decisions = []
@@ -652,7 +657,7 @@ def plan_pipeline(
                 # Every config of the chosen submesh (logical mesh and layout; with
                 # memory_lean the ZeRO-3 column too), solved whole: the composition ranks
                 # them by an estimate, the whole ILP by the stage's own cost.
-                for cfg in stage_configs(sub, so):
+                for cfg in to_refine[s]:
                     whole = model.cost(starts[i], ends[j], sub, cfg.shape, cfg.layout)
                     if whole is not None and whole.latency < sc.latency:
                         sc, logical = whole, cfg.shape
@@ -764,6 +769,25 @@ def _held_bytes(sc: StageCost) -> float:
         if t.role == "param"
     )
     return 2 * params + sc.residual_bytes  # a gradient has its parameter's size
+
+
+def _refine_configs(model, tables, starts, ends, stage, configs, within: float | None):
+    """The configs of a chosen stage's submesh that ``refine`` re-plans whole: all of them,
+    or (``within``) those whose composed estimate is within that fraction of the chosen
+    config's, the chosen one first."""
+    cfgs = configs[stage.submesh_index]
+    if within is None:
+        return list(cfgs)
+    i, j = stage.layer_start, stage.layer_end
+
+    def estimate(ci: int) -> float:
+        table = tables.get((stage.submesh_index, ci))
+        est = None if table is None else _composed_stage(model, table, starts, ends, i, j)
+        return math.inf if est is None else est.latency
+
+    limit = estimate(stage.config_index) * (1.0 + within)
+    others = [c for ci, c in enumerate(cfgs) if ci != stage.config_index and estimate(ci) <= limit]
+    return [cfgs[stage.config_index], *others]
 
 
 def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> StageCost | None:

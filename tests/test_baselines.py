@@ -320,3 +320,38 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
     assert refined.stages[0].latency == pytest.approx(whole.stages[0].latency, rel=1e-12)
     assert refined.stages[0].in_specs == whole.stages[0].in_specs
     assert whole.stages[0].latency < composed.stages[0].latency
+
+
+def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
+    """``refine_within=0`` re-plans only the chosen config whole (two whole-stage ILPs fewer
+    here: the submesh (1, 4) has three configs); a bound no config misses re-plans them
+    all, exactly as None does; re-planning more configs is never worse."""
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.stage_planner import stage_configs
+
+    step, args = _mlp_args(width=512, batch=256)
+
+    def plan(within):
+        option = alpa_mini.AutoStageOption(
+            refine=True,
+            memory_lean=True,
+            logical_shapes="model_parallel_in_host",
+            refine_within=within,
+        )
+        method = alpa_mini.PipeshardParallel(num_micro_batches=2, stage_option=option)
+        p = plan_pipeshard(step, args, method, FOUR)
+        return p.planning["ilps_solved"], [s.latency for s in p.stages], p
+
+    every, lat_every, p = plan(None)
+    (submesh,) = {s.submesh for s in p.stages}
+    assert submesh == (1, 4) and len(p.stages) == 1
+    lean = alpa_mini.AutoStageOption(memory_lean=True, logical_shapes="model_parallel_in_host")
+    assert len(stage_configs(submesh, lean)) == 3
+    only, lat_only, _ = plan(0.0)
+    wide, lat_wide, _ = plan(1e9)
+    assert only == every - 2
+    assert (wide, lat_wide) == (every, lat_every)
+    assert all(a <= b for a, b in zip(lat_every, lat_only, strict=True))
+    for bad in (-0.1, "5%", True):
+        with pytest.raises(ConfigError, match=r"AutoStageOption.refine_within: .* is invalid"):
+            alpa_mini.AutoStageOption(refine_within=bad)
