@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -176,6 +176,10 @@ class _StageModel:
         self._cost_models: dict[Any, CostModel] = {}
         self._fresh: set[Any] = set()
         self._sites: dict[Any, tuple[int, int]] | None = None
+        # Preset (pinned-layout) ILPs by (structure, submesh, logical mesh, layout, batch
+        # axis): the memory-lean ZeRO-3 column and the free MIP's ZeRO-3 fallback are the same
+        # ILP, and prefetch threads may ask for it at once; it is solved once.
+        self._presets: dict[Any, Future] = {}
         self._lock = threading.Lock()
         self.stats = PlanningStats()
 
@@ -374,8 +378,25 @@ class _StageModel:
         tie = self.method.gradient_sync == "ilp"
         aliases = [(k, first_grad + k) for k in params] if tie else []
 
-        def solve(filters: list[Any] | None) -> ShardingPlan | str:
-            """The plan, or why there is none: "memory" or "time"."""
+        def solve(filters: list[Any] | None, preset: Any = None) -> ShardingPlan | str:
+            """The plan, or why there is none: "memory" or "time". ``preset`` (the pinning
+            method) names a restricted ILP, which is solved once per stage model."""
+            if preset is None:
+                return run(filters)
+            key = (io[5], submesh, logical, preset.layout, preset.batch_axis)
+            with self._lock:
+                future = self._presets.get(key)
+                mine = future is None
+                if mine:
+                    future = self._presets[key] = Future()
+            if mine:
+                try:
+                    future.set_result(run(filters))
+                except BaseException as err:  # ValueError: no such layout; waiters see it too
+                    future.set_exception(err)
+            return future.result()
+
+        def run(filters: list[Any] | None) -> ShardingPlan | str:
             with self._lock:
                 self.stats.ilps_solved += 1
             try:
@@ -393,7 +414,7 @@ class _StageModel:
                 return "time" if err.timed_out else "memory"
 
         try:
-            plan = solve(filters)
+            plan = solve(filters, None if filters is None else opt)
         except ValueError:
             if layout == "auto":
                 raise
@@ -417,7 +438,7 @@ class _StageModel:
                 if all(p is None for p in pins):
                     continue  # nothing pinned (a mesh whose first axis is 1): the free MIP
                 try:
-                    other = solve(pins)
+                    other = solve(pins, pinned)
                 except ValueError:  # some input has no such layout (e.g. batch 6 on 4)
                     continue
                 if isinstance(other, ShardingPlan) and (

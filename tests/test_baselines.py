@@ -257,6 +257,58 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     assert kept.latency > 0
 
 
+def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
+    """The free MIP's ZeRO-3 fallback and the memory-lean ZeRO-3 column are one ILP (same
+    graph, mesh, pins and budget): a stage model solves it once, in either order."""
+    from alpa_mini import stage_planner
+    from alpa_mini.pipeshard_executable import plan_pipeshard
+
+    real = stage_planner.plan_sharding
+    models = []
+
+    class Spy(stage_planner._StageModel):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            models.append(self)
+
+    def unproven_free(graph, cost, axis_names, *, input_filters=None, **kw):
+        plan = real(graph, cost, axis_names, input_filters=input_filters, **kw)
+        if input_filters is not None:
+            return plan
+        return dataclasses.replace(plan, solver={**plan.solver, "status": "feasible"})
+
+    monkeypatch.setattr(stage_planner, "_StageModel", Spy)
+    monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
+    step, args = _mlp_args(width=256, batch=64)
+
+    def planned(layout):
+        method = alpa_mini.PipeshardParallel(
+            stage_option=alpa_mini.UniformStageOption(1, (1, 4), (4,)),
+            default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
+            gradient_sync="ilp",
+        )
+        plan = plan_pipeshard(step, args, method, FOUR)
+        stage = plan.stages[0]
+        return models[-1], stage.eqn_start, stage.eqn_end, plan
+
+    zero3_model, start, end, _ = planned("zero3")
+    zero3 = zero3_model.cost(start, end, (1, 4), (4,))  # its cached StageCost
+    # Free first: its fallbacks solve ZeRO-3's and Megatron's ILPs; the column then reuses.
+    model, start, end, plan = planned("auto")
+    assert plan.planning["ilps_solved"] == 3
+    column = model.cost(start, end, (1, 4), (4,), "zero3")
+    assert model.stats.ilps_solved == 3
+    assert column.latency == pytest.approx(zero3.latency, rel=1e-12)
+    # Column first (the DP's prefetch order is not fixed): the fallback reuses it.
+    model.cache.clear()
+    model._presets.clear()
+    model.stats.ilps_solved = 0
+    again = model.cost(start, end, (1, 4), (4,), "zero3")
+    assert again.latency == pytest.approx(zero3.latency, rel=1e-12)
+    model.cost(start, end, (1, 4), (4,))
+    assert model.stats.ilps_solved == 3  # ZeRO-3 once, the free MIP, Megatron's restriction
+
+
 def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
     """Four 1024x1024 layers, 512 rows, 4 devices: per-layer ILPs pick layouts for speed,
     and stages composed from them need about 38 MiB per device; with memory_lean the DP can
