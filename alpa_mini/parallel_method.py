@@ -15,6 +15,7 @@ the first argument the parameters, leaves of any other argument optimiser/other 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cluster import ConfigError
@@ -95,7 +96,9 @@ class ShardParallel:
             return [(num_devices,)]
         return candidate_mesh_shapes(num_devices, devices_per_host)
 
-    def input_filter(self, role: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]):
+    def input_filter(
+        self, role: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+    ) -> Callable[[ShardingSpec], bool] | None:
         """Which layouts an input of ``role`` may take under this method (None: any)."""
         axes = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
         if role == "batch":

@@ -255,7 +255,7 @@ class _StageModel:
         self.cache[key] = result
         return result
 
-    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], StageConfig]]):
+    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], StageConfig]]) -> None:
         """Solve the distinct ILPs behind ``requests`` (start, end, submesh, config) on a
         thread pool, so that later ``cost`` calls find them cached.
 
