@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,14 @@ def run_child(module: str, args: list[str], timeout: float) -> Any:
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
-    timer = threading.Timer(timeout, proc.kill)
+    started = time.perf_counter()
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
     timer.start()
     try:
         # stderr drains on a thread, so a chatty child cannot block on a full pipe.
@@ -74,7 +83,16 @@ def run_child(module: str, args: list[str], timeout: float) -> Any:
         timer.cancel()
     result = next((ln for ln in out if ln.startswith("RESULT ")), None)
     if result is None:
-        why = f"killed after {timeout:.0f} s" if proc.returncode == -9 else "failed"
+        took = time.perf_counter() - started
+        if timed_out.is_set():
+            why = f"killed after its {timeout:.0f} s timeout"
+        elif proc.returncode == -signal.SIGKILL:
+            # Not ours: on these machines that is the kernel's out-of-memory killer.
+            why = f"was killed (SIGKILL, most likely out of memory) after {took:.0f} s"
+        elif proc.returncode < 0:
+            why = f"died of signal {-proc.returncode} after {took:.0f} s"
+        else:
+            why = f"failed (exit status {proc.returncode}) after {took:.0f} s"
         raise RuntimeError(
             f"{module} {' '.join(args)} {why}:\n{''.join(out)[-2000:]}{''.join(err)[-3000:]}"
         )

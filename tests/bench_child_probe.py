@@ -1,7 +1,10 @@
 """A stand-in benchmark child for ``test_bench_reports``: ``ok`` reports progress then a
-result, ``fail`` dies with a message on stderr, ``hang`` never answers."""
+result, ``fail`` dies with a message on stderr, ``hang`` never answers, ``killed`` is
+SIGKILLed (as the kernel's out-of-memory killer would)."""
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -16,5 +19,8 @@ if mode == "ok":
 elif mode == "fail":
     print("the child's own reason", file=sys.stderr, flush=True)
     raise SystemExit(3)
+elif mode == "killed":
+    progress("row 1 of 2")
+    os.kill(os.getpid(), signal.SIGKILL)
 else:
     time.sleep(60)

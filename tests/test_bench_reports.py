@@ -135,7 +135,7 @@ def test_calibration_error_is_the_median_relative_error_per_cluster():
 
 def test_benchmark_children_report_progress_results_and_failures(capsys):
     """``run_child`` echoes a child's progress lines as they come, returns its RESULT, and
-    names the child and its own stderr when it fails or runs past its timeout."""
+    names the child and its own stderr when it fails, runs past its timeout or is killed."""
     from benchmarks._report import run_child
 
     assert run_child("tests.bench_child_probe", ["ok"], timeout=120) == {"rows": 2}
@@ -143,5 +143,10 @@ def test_benchmark_children_report_progress_results_and_failures(capsys):
     assert shown == ["  row 1 of 2", "  row 2 of 2"]
     with pytest.raises(RuntimeError, match=r"(?s)bench_child_probe fail failed.*own reason"):
         run_child("tests.bench_child_probe", ["fail"], timeout=120)
-    with pytest.raises(RuntimeError, match=r"bench_child_probe hang killed after 2 s"):
+    with pytest.raises(RuntimeError, match=r"bench_child_probe fail failed \(exit status 3\)"):
+        run_child("tests.bench_child_probe", ["fail"], timeout=120)
+    with pytest.raises(RuntimeError, match=r"bench_child_probe hang killed after its 2 s timeout"):
         run_child("tests.bench_child_probe", ["hang"], timeout=2)
+    # A SIGKILL from outside (the out-of-memory killer) is not called a timeout.
+    with pytest.raises(RuntimeError, match=r"killed \(SIGKILL, most likely out of memory\)"):
+        run_child("tests.bench_child_probe", ["killed"], timeout=120)
