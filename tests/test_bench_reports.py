@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from alpa_mini.cli import main as cli_main
 from benchmarks.calibration import error_summary
 from benchmarks.calibration import to_markdown as calibration_markdown
-from benchmarks.plan_quality import to_csv_rows, to_markdown
+from benchmarks.plan_quality import micro_batch_counts, to_csv_rows, to_markdown
 from benchmarks.planning_time import fit_exponents
 
 
@@ -71,6 +71,19 @@ def test_ratios_are_against_the_best_baseline_and_the_family_target():
     text = to_markdown(rows, "alpa-mini bench plan-quality", 1.0)
     assert "| moe-x | 8 | megatron | dp2 tp4 pp1 B16 |" in text and "**no**" in text
     assert "0-3@1x8(2x4)" in text
+
+
+def test_rows_whose_batch_the_default_counts_do_not_divide_use_the_nearest_divisors():
+    """WResNet-13B's batch of 1520 = 2^4 * 5 * 19 has none of 32 ... 256 as a divisor; each
+    count becomes the divisor nearest by ratio (38 = 32 * 1.19 beats 20 = 32 / 1.6), and the
+    row says so. A batch the defaults divide keeps them."""
+    assert micro_batch_counts(1536, (32, 64, 128, 256)) == (32, 64, 128, 256)
+    assert micro_batch_counts(1520, (32, 64, 128, 256)) == (38, 76, 152, 304)
+    assert micro_batch_counts(12, (4, 5, 6)) == (4, 6)  # 5 -> 6 (6/5 < 5/4), counted once
+    row = _result("wresnet-y", "wresnet", 9.0, [("megatron", 10.0, {}, "")])
+    row.update(batch_size=1520, micro_batch_counts=[38, 76, 152, 304])
+    (csv_row,) = to_csv_rows([row])
+    assert "micro-batch counts 38, 76, 152, 304 for both sides" in csv_row["note"]
 
 
 def test_bench_names_its_benchmarks(capsys):
