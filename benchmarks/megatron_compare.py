@@ -164,6 +164,11 @@ def _summary(plan: Any) -> dict[str, Any] | None:
         "tp": tp,
         "B": plan.num_micro_batches,
         "stage_shapes": {"x".join(map(str, k)): v for k, v in shapes.items()},
+        # layers i..j @ submesh (logical mesh): whether the split is Megatron's even one
+        "stages": [
+            [s.layer_start, s.layer_end, list(s.submesh), list(s.logical_shape)]
+            for s in plan.stages
+        ],
     }
 
 
