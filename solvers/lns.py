@@ -106,12 +106,28 @@ def restrict(
 
 
 def _grow(index: _Index, seed: int, budget: int, rng: np.random.Generator) -> np.ndarray:
-    """Breadth-first region from ``seed`` until adding a variable would pass ``budget`` columns."""
+    """Breadth-first region from ``seed`` until adding a variable would pass ``budget`` columns.
+    A component used up with budget left seeds another: the memory limit couples variables
+    that share no edge, so a region confined to one component could never trade memory with
+    the rest, and a small problem's region is the whole problem (its sub-MIP exact)."""
     free = np.zeros(len(index.k), dtype=bool)
     free[seed] = True
     cols = int(index.k[seed])
     frontier = [seed]
-    while frontier:
+    reseeds = iter(rng.permutation(len(free)))  # drawn once: each variable is tried once
+
+    def _cost(y: int) -> int:
+        """Columns ``y`` would add: its strategies plus edge pairs with free neighbours."""
+        return int(index.k[y]) + sum(int(index.k[y] * index.k[z]) for z in index.nbrs[y] if free[z])
+
+    while True:
+        if not frontier:
+            y = next((int(y) for y in reseeds if not free[y] and cols + _cost(y) <= budget), -1)
+            if y < 0:
+                break
+            cols += _cost(y)
+            free[y] = True
+            frontier = [y]
         nxt: list[int] = []
         order = rng.permutation(len(frontier))
         for i in order:
@@ -119,10 +135,7 @@ def _grow(index: _Index, seed: int, budget: int, rng: np.random.Generator) -> np
             for y in index.nbrs[x]:
                 if free[y]:
                     continue
-                # Columns y would add: its strategies plus edge pairs with free neighbours.
-                extra = int(index.k[y]) + sum(
-                    int(index.k[y] * index.k[z]) for z in index.nbrs[y] if free[z]
-                )
+                extra = _cost(y)
                 if cols + extra > budget:
                     continue
                 free[y] = True
