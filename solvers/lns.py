@@ -122,11 +122,12 @@ def _grow(index: _Index, seed: int, budget: int, rng: np.random.Generator) -> np
 
     while True:
         if not frontier:
-            y = next((int(y) for y in reseeds if not free[y] and cols + _cost(y) <= budget), -1)
+            fits = ((int(y), _cost(y)) for y in reseeds if not free[y])
+            y, extra = next(((y, c) for y, c in fits if cols + c <= budget), (-1, 0))
             if y < 0:
                 break
-            cols += _cost(y)
             free[y] = True
+            cols += extra
             frontier = [y]
         nxt: list[int] = []
         order = rng.permutation(len(frontier))
