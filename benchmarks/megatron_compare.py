@@ -88,8 +88,8 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         args = (params, jax.eval_shape(opt.init, params), model.abstract_batch())
         return make_train_step(model.loss_fn(), opt, alpa_mini.value_and_grad), args
 
-    def best_of(problem_, make_method, who: str) -> tuple[float, Any, list[str]]:
-        step, args = problem_
+    def best_of(case, make_method, who: str) -> tuple[float, Any, list[str]]:
+        step, args = case
         best, best_plan, reasons = math.inf, None, []
         for b in counts:
             tb = time.perf_counter()

@@ -50,8 +50,8 @@ def _mlp_case(layers: int = 4, width: int = 16, batch: int = 32):
 GPT = GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4)
 
 
-def _gpt_case(marks: bool):
-    config = dataclasses.replace(GPT, pipeline_marks=marks)
+def _gpt_case(marks: bool, remat: bool = False):
+    config = dataclasses.replace(GPT, pipeline_marks=marks, remat=remat)
     params = init_gpt(config, jax.random.PRNGKey(1))
     data = make_gpt_batch(config, jax.random.PRNGKey(2), 8)
 
@@ -302,13 +302,7 @@ def test_recomputed_blocks_keep_fewer_activations_and_pay_a_forward_pass():
     timings = {}
     for remat in (False, True):
         _init("cpu-1x8")
-        config = dataclasses.replace(GPT, pipeline_marks=True, remat=remat)
-        params = init_gpt(config, jax.random.PRNGKey(1))
-        data = make_gpt_batch(config, jax.random.PRNGKey(2), 8)
-
-        def loss(p, b, config=config):
-            return gpt_loss(p, b, config)
-
+        loss, params, data = _gpt_case(marks=True, remat=remat)
         method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2, (1, 4)))
         ex = _run(loss, params, data, method, steps=2)
         timings[remat] = stage_timings(ex.plan, ClusterSpec.named("cpu-1x8"))
