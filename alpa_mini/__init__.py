@@ -1,138 +1,118 @@
 """alpa_mini: two-level auto-parallel planning for JAX.
 
 Decorate a train step with ``@alpa_mini.parallelize(method=...)`` after ``alpa_mini.init()``;
-the planning algorithms (everything ``alpa_mini.solvers`` exports) are public too.
+``alpa_mini.plan`` returns the plan without compiling. Inspection helpers live in
+``alpa_mini.inspect``, the planning algorithms in ``alpa_mini.solvers``, the model zoo in
+``alpa_mini.models`` and cluster descriptions in ``alpa_mini.cluster``.
 
-Names that need JAX load on first use (PEP 562), so ``import alpa_mini.solvers`` and the
-cluster descriptions stay free of JAX and Ray.
+Names that need JAX load on first use (PEP 562), so ``import alpa_mini`` and the cluster
+descriptions stay free of JAX and Ray.
 """
 
-from importlib import import_module
-from typing import Any
+from ._lazy import lazy_exports
+from .cluster.spec import ClusterSpec, LogicalMesh
+from .errors import (
+    ConfigError,
+    InfeasibleError,
+    MemoryBudgetError,
+    SolverTimeLimitError,
+    WorkerFailedError,
+)
 
-from . import solvers as _solvers
-from .cluster import ClusterSpec, ConfigError, LogicalMesh, available_clusters
-from .solvers import *  # noqa: F403  (the explicit list is solvers.__all__)
-
-# public name -> module that defines it (imported lazily)
+# public name -> module that defines it (imported on first use)
 _LAZY = {
-    "Alternative": "plan",
-    "AutoLayerOption": "pipeshard_method",
-    "AutoStageOption": "pipeshard_method",
-    "CollectiveReport": "executable",
-    "CostModel": "cost_model",
-    "DataParallel": "parallel_method",
-    "Executable": "executable",
-    "Explanation": "plan_explain",
-    "ManualLayerOption": "pipeshard_method",
-    "ManualStageOption": "pipeshard_method",
-    "MemoryBudgetError": "auto_sharding",
-    "WorkerFailedError": "ray_setup",
-    "ModelSpec": "model_specs",
-    "OpGraph": "op_graph",
-    "ParallelizedFunction": "api",
-    "PipeshardExecutable": "pipeshard_executable",
-    "PipeshardParallel": "pipeshard_method",
-    "PipeshardPlan": "pipeshard_plan",
-    "ProfileDB": "profile_db",
-    "Schedule": "schedules",
-    "Simulation": "pipeline_sim",
-    "StageTiming": "pipeline_sim",
-    "TraceEvent": "runtime.trace",
-    "ShardParallel": "parallel_method",
-    "ShardingPlan": "plan",
-    "ShardingSpec": "sharding_spec",
-    "UniformStageOption": "pipeshard_method",
-    "Zero2Parallel": "parallel_method",
-    "Zero3Parallel": "parallel_method",
-    "available_models": "model_specs",
-    "bubble_fraction": "timeline",
-    "current_cluster": "device_setup",
-    "grad": "micro_batch",
-    "init": "device_setup",
-    "is_initialized": "device_setup",
-    "make_schedule": "schedules",
-    "mark_pipeline_boundary": "pipeline_marker",
-    "measured_events": "runtime.trace",
+    "AutoLayerOption": "options.pipeshard",
+    "AutoStageOption": "options.pipeshard",
+    "DataParallel": "options.shard",
+    "Executable": "shard.executable",
+    "ManualLayerOption": "options.pipeshard",
+    "ManualStageOption": "options.pipeshard",
+    "PipeshardExecutable": "pipeline.executable",
+    "PipeshardParallel": "options.pipeshard",
+    "PipeshardPlan": "pipeline.plan",
+    "ShardParallel": "options.shard",
+    "ShardingPlan": "shard.plan",
+    "UniformStageOption": "options.pipeshard",
+    "Zero2Parallel": "options.shard",
+    "Zero3Parallel": "options.shard",
+    "current_cluster": "session.local",
+    "grad": "graph.micro_batch",
+    "init": "session.local",
+    "is_initialized": "session.local",
+    "mark_pipeline_boundary": "graph.markers",
     "parallelize": "api",
-    "plot_timeline": "timeline",
-    "profile_devices": "profiling",
-    "ray_session": "device_setup",
-    "shutdown": "device_setup",
-    "simulate": "pipeline_sim",
-    "simulate_plan": "pipeline_sim",
-    "simulated_events": "timeline",
-    "value_and_grad": "micro_batch",
-    "write_chrome_trace": "runtime.trace",
-    "write_timeline": "timeline",
+    "plan": "api",
+    "shutdown": "session.local",
+    "value_and_grad": "graph.micro_batch",
 }
 
-__all__ = [  # noqa: F405  (lazy names resolve through __getattr__)
-    "Alternative",
-    "AutoLayerOption",
-    "AutoStageOption",
-    "ClusterSpec",
-    "CollectiveReport",
-    "ConfigError",
-    "CostModel",
-    "DataParallel",
-    "Executable",
-    "Explanation",
-    "LogicalMesh",
-    "ManualLayerOption",
-    "ManualStageOption",
-    "MemoryBudgetError",
-    "WorkerFailedError",
-    "ModelSpec",
-    "OpGraph",
-    "ParallelizedFunction",
-    "PipeshardExecutable",
-    "PipeshardParallel",
-    "PipeshardPlan",
-    "ProfileDB",
-    "Schedule",
+# names alpa_mini exported before 0.2 -> where they live now
+_MOVED = {
+    **{
+        name: f"alpa_mini.inspect.{name}"
+        for name in (
+            "Alternative", "CollectiveReport", "Explanation", "Schedule", "Simulation",
+            "StageTiming", "TraceEvent", "bubble_fraction", "make_schedule", "measured_events",
+            "plot_timeline", "simulate", "simulate_plan", "simulated_events",
+            "write_chrome_trace", "write_timeline",
+        )
+    },
+    **{
+        name: f"alpa_mini.solvers.{name}"
+        for name in (
+            "Evaluation", "LayerClustering", "LayerCountSearch", "SolverInputError", "Stage",
+            "ShardingProblem", "ShardingSolution", "StageProblem", "StageSolution",
+            "cluster_layers", "evaluate", "load_iopddl", "save_iopddl", "search_num_layers",
+            "solve_sharding", "solve_stages",
+        )
+    },
+    "ModelSpec": "alpa_mini.models.ModelSpec",
+    "available_models": "alpa_mini.models.available_models",
+    "available_clusters": "alpa_mini.cluster.available_clusters",
+    "ProfileDB": "alpa_mini.cluster.ProfileDB",
+    "profile_devices": "alpa_mini.cluster.profile_devices",
+    "CostModel": "alpa_mini.shard.CostModel",
+    "ShardingSpec": "alpa_mini.shard.ShardingSpec",
+    "OpGraph": "alpa_mini.graph.OpGraph",
+    "ParallelizedFunction": "alpa_mini.api.ParallelizedFunction",
+    "ray_session": "alpa_mini.session.ray_session",
+}
+
+__all__ = [  # noqa: RUF022  (grouped: entry points, methods and options, plans, session, errors)
+    "parallelize",
+    "plan",
+    "grad",
+    "value_and_grad",
+    "mark_pipeline_boundary",
     "ShardParallel",
-    "ShardingPlan",
-    "ShardingSpec",
-    "Simulation",
-    "StageTiming",
-    "TraceEvent",
-    "UniformStageOption",
+    "DataParallel",
     "Zero2Parallel",
     "Zero3Parallel",
-    "available_clusters",
-    "available_models",
-    "bubble_fraction",
-    "current_cluster",
-    "grad",
+    "PipeshardParallel",
+    "AutoLayerOption",
+    "ManualLayerOption",
+    "AutoStageOption",
+    "UniformStageOption",
+    "ManualStageOption",
+    "ShardingPlan",
+    "PipeshardPlan",
+    "Executable",
+    "PipeshardExecutable",
+    "ClusterSpec",
+    "LogicalMesh",
     "init",
-    "is_initialized",
-    "make_schedule",
-    "mark_pipeline_boundary",
-    "measured_events",
-    "parallelize",
-    "plot_timeline",
-    "profile_devices",
-    "ray_session",
     "shutdown",
-    "simulate",
-    "simulate_plan",
-    "simulated_events",
-    "value_and_grad",
-    "write_chrome_trace",
-    "write_timeline",
-    *_solvers.__all__,
+    "is_initialized",
+    "current_cluster",
+    "ConfigError",
+    "InfeasibleError",
+    "MemoryBudgetError",
+    "SolverTimeLimitError",
+    "WorkerFailedError",
 ]
 
+_SUBPACKAGES = (
+    "cluster", "graph", "inspect", "models", "options", "pipeline", "session", "shard",
+)
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'alpa_mini' has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, _MOVED, _SUBPACKAGES)

@@ -21,15 +21,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import device_setup
-from .auto_sharding import MemoryBudgetError, plan_sharding
-from .cluster import ConfigError
-from .cost_model import CostModel
-from .executable import Executable
-from .lowering import build_sharded_function
-from .parallel_method import ShardParallel
-from .pipeshard_method import PipeshardParallel
-from .tracing import trace_jaxpr
+from .errors import ConfigError, MemoryBudgetError
+from .graph.tracing import trace_jaxpr
+from .options.pipeshard import PipeshardParallel
+from .options.shard import ShardParallel
+from .session import local as device_setup
+from .shard.cost_model import CostModel
+from .shard.executable import Executable
+from .shard.lower import build_sharded_function
+from .shard.problem import plan_sharding
 
 __all__ = ["ParallelizedFunction", "parallelize"]
 
@@ -163,13 +163,13 @@ class ParallelizedFunction:
         roles, owner = self._roles(dynamic)
         session = device_setup.ray_session()
         if isinstance(method, PipeshardParallel) and session is not None:
-            from .ray_exec import compile_pipeshard_ray
+            from .pipeline.ray_driver import compile_pipeshard_ray
 
             return compile_pipeshard_ray(
                 self.fun, avals, roles, in_tree, static, method, cluster, session
             )
         if isinstance(method, PipeshardParallel):
-            from .pipeshard_executable import StepFun, compile_pipeshard
+            from .pipeline.executable import StepFun, compile_pipeshard
 
             step_fun = StepFun(self.fun, static, in_tree)
             return compile_pipeshard(
@@ -177,7 +177,7 @@ class ParallelizedFunction:
             )
 
         def flat_fun(*leaves: Any) -> list[Any]:
-            from .micro_batch import micro_batches
+            from .graph.micro_batch import micro_batches
 
             with micro_batches(method.num_micro_batches):
                 out = self._call_with(static, jax.tree.unflatten(in_tree, leaves))
@@ -303,7 +303,7 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
 
 def _is_remote(x: Any) -> bool:
     """Whether ``x`` is a ``ray_exec.RemoteArray`` (imported only once Ray is in use)."""
-    module = sys.modules.get("alpa_mini.ray_exec")
+    module = sys.modules.get("alpa_mini.pipeline.ray_driver")
     return module is not None and isinstance(x, module.RemoteArray)
 
 

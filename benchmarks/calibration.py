@@ -4,7 +4,7 @@ measured stage times of the test models on 8 simulated CPU devices.
     alpa-mini bench calibration                      # BENCHMARKS.md section, CSV, profile JSON
     alpa-mini bench calibration --models gpt-small --no-write
 
-1. ``alpa_mini.profile_devices`` measures matmul and elementwise throughput per number of
+1. ``alpa_mini.cluster.profile_devices`` measures matmul and elementwise throughput per number of
    busy devices and fits alpha-beta per collective kind and group size; the database is
    saved to ``benchmarks/results/cpu-profile.json``.
 2. For each test model and stage layout (one stage on 1, 2, 4 or 8 devices with 1-D or 2-D
@@ -84,7 +84,7 @@ def profile_child(repeats: int) -> dict[str, Any]:
 
     alpa_mini.init(cluster="cpu-1x8", num_cpu_devices=8)
     t0 = time.perf_counter()
-    db = alpa_mini.profile_devices(repeats=repeats)
+    db = alpa_mini.cluster.profile_devices(repeats=repeats)
     return {"profile": db.to_dict(), "seconds": time.perf_counter() - t0}
 
 
@@ -98,10 +98,10 @@ def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
     alpa_mini.init(cluster="cpu-1x8", num_cpu_devices=8)
     import jax
 
-    from alpa_mini.model_specs import ModelSpec
+    from alpa_mini.cluster.profile_db import ProfileDB
     from alpa_mini.models import adam, make_train_step
-    from alpa_mini.pipeshard_executable import plan_pipeshard
-    from alpa_mini.profile_db import ProfileDB
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.pipeline.executable import plan_pipeshard
     from alpa_mini.runtime.instructions import Run
 
     nominal = alpa_mini.ClusterSpec.named("cpu-1x8")
@@ -189,7 +189,7 @@ def to_markdown(
         "## Cost-model calibration on CPU",
         "",
         f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). "
-        f"Micro-benchmarks on 8 simulated CPU devices (`alpa_mini.profile_devices`, "
+        f"Micro-benchmarks on 8 simulated CPU devices (`alpa_mini.cluster.profile_devices`, "
         f"{profile['machine']}) give the profile database "
         f"`benchmarks/results/{PROFILE_JSON}`; each test model is planned on `cpu-1x8` with "
         "the nominal figures and with the profile attached (`ClusterSpec.with_profile`), "

@@ -15,8 +15,8 @@ import platform
 import time
 from pathlib import Path
 
-from alpa_mini.solvers.ilp import solve_sharding
-from alpa_mini.solvers.sharding_problem import evaluate, load_iopddl
+from alpa_mini.solvers.sharding.problem import evaluate, load_iopddl
+from alpa_mini.solvers.sharding.solve import solve_sharding
 
 from ._report import RESULTS, update_section
 

@@ -63,11 +63,11 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
 
     import alpa_mini
     from alpa_mini import ClusterSpec
-    from alpa_mini.auto_sharding import MemoryBudgetError
-    from alpa_mini.baselines import evaluate_plan
-    from alpa_mini.model_specs import ModelSpec
+    from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.pipeline.executable import plan_pipeshard
+    from benchmarks.baselines import evaluate_plan
 
     spec = ModelSpec.named(name)
     pub = {"dp": spec.published.dp, "tp": spec.published.tp, "pp": spec.published.pp}

@@ -174,13 +174,13 @@ def profiling_rows() -> list[dict[str, Any]]:
     import jax
     import numpy as np
 
-    from alpa_mini.cluster import ClusterSpec
-    from alpa_mini.micro_batch import value_and_grad
-    from alpa_mini.model_specs import ModelSpec
+    from alpa_mini.cluster.spec import ClusterSpec
+    from alpa_mini.graph.micro_batch import value_and_grad
     from alpa_mini.models import adam, make_train_step
-    from alpa_mini.pipeshard_executable import plan_pipeshard
-    from alpa_mini.pipeshard_method import AutoStageOption, ManualLayerOption, PipeshardParallel
-    from alpa_mini.solvers.stage_dp import stage_objective
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.options.pipeshard import AutoStageOption, ManualLayerOption, PipeshardParallel
+    from alpa_mini.pipeline.executable import plan_pipeshard
+    from alpa_mini.solvers.stages.search import stage_objective
 
     rows = []
     for model, cluster_name, micro in PROFILING_ROWS:
@@ -294,8 +294,8 @@ def _gpt_small_step(one_wide_stage: bool = False) -> tuple[Any, Any, Any, Any]:
     import jax
 
     import alpa_mini
-    from alpa_mini.model_specs import ModelSpec
     from alpa_mini.models import adam, init_gpt, make_gpt_batch, make_train_step
+    from alpa_mini.models.specs import ModelSpec
 
     spec = ModelSpec.named("gpt-small")
     config = dataclasses.replace(spec.config, pipeline_marks=True)

@@ -5,7 +5,7 @@ from abstract shapes on A100 clusters and timed by the same simulator.
     alpa-mini bench plan-quality --models gpt-350m,moe-380m --no-write
 
 Per row (model at the GPU count Alpa benchmarked it on, ``dgx-a100`` hosts of 8): the best
-of data parallel, ZeRO-2, ZeRO-3 and the Megatron-style grid (``alpa_mini.baselines``), and
+of data parallel, ZeRO-2, ZeRO-3 and the Megatron-style grid (``benchmarks.baselines``), and
 our plan (``AutoStageOption(refine=True, logical_shapes=OUR_LOGICAL_SHAPES,
 memory_lean=True)``), each the fastest over the same micro-batch counts; the ratio ours /
 best baseline (targets: <= 1.00 everywhere, <= 0.90 on MoE and Wide-ResNet); our planning
@@ -102,11 +102,11 @@ def row(
     import jax
 
     import alpa_mini
-    from alpa_mini.auto_sharding import MemoryBudgetError
-    from alpa_mini.baselines import evaluate_plan, run_baselines
-    from alpa_mini.model_specs import ModelSpec
+    from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.pipeline.executable import plan_pipeshard
+    from benchmarks.baselines import evaluate_plan, run_baselines
 
     spec = ModelSpec.named(name)
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, pipeline_marks=True))
@@ -205,9 +205,9 @@ def _num_layers(step: Any, args: tuple[Any, ...]) -> int:
     """Layers the step's pipeline marks make (what uniform stages divide)."""
     import jax
 
-    from alpa_mini.pipeshard_executable import StepFun, _trace
-    from alpa_mini.pipeshard_method import ManualLayerOption
-    from alpa_mini.stage_planner import layer_starts
+    from alpa_mini.options.pipeshard import ManualLayerOption
+    from alpa_mini.pipeline.executable import StepFun, _trace
+    from alpa_mini.pipeline.stage_search import layer_starts
 
     flat, tree = jax.tree.flatten(args)
     _, _, _, forward = _trace(StepFun(step, (), tree), list(flat), 1)
@@ -274,7 +274,8 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "",
         f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). {earlier}Every "
         "model at the GPU count Alpa benchmarked it on (`dgx-a100` hosts of 8 A100s), planned "
-        "from abstract shapes; every time is the pipeline simulator's (`alpa_mini.simulate`) "
+        "from abstract shapes; every time is the pipeline simulator's "
+        "(`alpa_mini.inspect.simulate`) "
         "over stage costs from the same ILP cost model, with activation transfers on the "
         "links. Baselines: data parallel, ZeRO-2, ZeRO-3 and a Megatron-style grid over "
         "(dp, tp, pp, micro-batches) with even layer split and tensor parallelism inside a "

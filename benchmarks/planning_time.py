@@ -42,9 +42,9 @@ def point(layers: int, devices: int) -> dict[str, Any]:
 
     import alpa_mini
     from alpa_mini import ClusterSpec
-    from alpa_mini.model_specs import ModelSpec
     from alpa_mini.models import adam, make_train_step
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     spec = ModelSpec.named("gpt-1.3b")
     config = dataclasses.replace(spec.config, num_layers=layers, pipeline_marks=True)

@@ -421,7 +421,7 @@ def step_time_table(
     import jax
 
     import alpa_mini
-    from alpa_mini.lowering import named_sharding
+    from alpa_mini.shard.lower import named_sharding
 
     lines = [
         "| model | mesh | ours median s | jax.jit median s | paired ratio "
@@ -514,7 +514,7 @@ def fidelity_table(
 ) -> tuple[str, list[Record]]:
     """Markdown: predicted vs HLO collectives per kind; and the raw rows for analysis."""
     import alpa_mini
-    from alpa_mini.hlo_collectives import KINDS, parse_collectives
+    from alpa_mini.inspect.hlo_collectives import KINDS, parse_collectives
 
     head = " | ".join(f"{KIND_ABBREV[k]} plan/HLO" for k in KINDS)
     lines = [

@@ -43,7 +43,7 @@ class Resident:
 
 
 class HostWorker:
-    """Plain class; ``alpa_mini.ray_setup`` wraps it with ``ray.remote`` when it places it."""
+    """Plain class; ``alpa_mini.session.ray`` wraps it with ``ray.remote`` when it places it."""
 
     def __init__(self, host: int, num_cpu_devices: int | None) -> None:
         if num_cpu_devices is not None:

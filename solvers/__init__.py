@@ -4,10 +4,10 @@ This package imports only numpy, pulp and highspy: never jax, ray or the rest of
 """
 
 from .errors import InfeasibleError, SolverInputError, SolverTimeLimitError
-from .ilp import ShardingSolution, solve_sharding
 from .layer_clustering import LayerClustering, LayerCountSearch, cluster_layers, search_num_layers
-from .sharding_problem import Evaluation, ShardingProblem, evaluate, load_iopddl, save_iopddl
-from .stage_dp import Stage, StageProblem, StageSolution, solve_stages
+from .sharding.problem import Evaluation, ShardingProblem, evaluate, load_iopddl, save_iopddl
+from .sharding.solve import ShardingSolution, solve_sharding
+from .stages.search import Stage, StageProblem, StageSolution, solve_stages
 
 __all__ = [
     "Evaluation",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from alpa_mini.solvers.sharding_problem import ShardingProblem
+from alpa_mini.solvers.sharding.problem import ShardingProblem
 
 FORBID = 1e18
 

@@ -11,8 +11,8 @@ import pytest
 
 import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, mark_pipeline_boundary
-from alpa_mini.baselines import megatron_configs, run_baseline, run_baselines
 from alpa_mini.models import adam, make_train_step
+from benchmarks.baselines import megatron_configs, run_baseline, run_baselines
 
 OPT = adam(1e-3)
 
@@ -122,7 +122,7 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
     """Data parallel of wide layers (4 layers of 1024x1024, 8 rows, 4 devices): each
     replicated parameter's gradient needs a sync, priced either way; inside the ILP
     ("ilp") the free ILP then prefers splitting the weights, which is cheaper."""
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     step, args = _mlp_args(width=1024, batch=8)
 
@@ -146,7 +146,7 @@ def test_uniform_individual_profiling_composes_the_layer_costs():
     between layers: a 2-layer composed stage costs exactly the sum of its two one-layer
     stages in latency and residual bytes; its memory is the held-plus-largest-transient
     closed form, an upper bound on the whole stage's ILP peak."""
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     step, args = _mlp_args(width=64, batch=64)
 
@@ -208,8 +208,8 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     mesh's first axis, the rest free), and keeps the fastest plan. Here the free plan is made
     100x slower and marked "feasible": the stage must come out exactly as the better of the
     two presets plans it, after three ILPs."""
-    from alpa_mini import stage_planner
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
 
@@ -260,8 +260,8 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
 def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
     """The free MIP's ZeRO-3 fallback and the memory-lean ZeRO-3 column are one ILP (same
     graph, mesh, pins and budget): a stage model solves it once, in either order."""
-    from alpa_mini import stage_planner
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
     models = []
@@ -313,7 +313,7 @@ def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
     """Four 1024x1024 layers, 512 rows, 4 devices: per-layer ILPs pick layouts for speed,
     and stages composed from them need about 38 MiB per device; with memory_lean the DP can
     take ZeRO-3-sharded layers instead, fits in 90% of that, and says which column it used."""
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     step, args = _mlp_args(width=1024, batch=512)
 
@@ -341,8 +341,8 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
     DP picks the memory-lean column; ``refine`` must then re-plan the chosen stage whole in
     that column too, and land exactly on the whole-stage ZeRO-3 plan, which beats the
     composition (whose per-layer pieces reshard between layers)."""
-    from alpa_mini import stage_planner
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
 
@@ -378,8 +378,8 @@ def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
     """``refine_within=0`` re-plans only the chosen config whole (two whole-stage ILPs fewer
     here: the submesh (1, 4) has three configs); a bound no config misses re-plans them
     all, exactly as None does; re-planning more configs is never worse."""
-    from alpa_mini.pipeshard_executable import plan_pipeshard
-    from alpa_mini.stage_planner import stage_configs
+    from alpa_mini.pipeline.executable import plan_pipeshard
+    from alpa_mini.pipeline.stage_search import stage_configs
 
     step, args = _mlp_args(width=512, batch=256)
 

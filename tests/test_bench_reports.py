@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alpa_mini.cli import main as cli_main
+from alpa_mini.cli.main import main as cli_main
 from benchmarks.calibration import error_summary
 from benchmarks.calibration import to_markdown as calibration_markdown
 from benchmarks.plan_quality import micro_batch_counts, to_csv_rows, to_markdown

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from alpa_mini.cli import _example_path, main
+from alpa_mini.cli.main import _example_path, main
 from alpa_mini.solvers.brute_force.sharding import brute_force_sharding
-from alpa_mini.solvers.ilp import ShardingSolution
-from alpa_mini.solvers.sharding_problem import evaluate, load_iopddl
+from alpa_mini.solvers.sharding.problem import evaluate, load_iopddl
+from alpa_mini.solvers.sharding.solve import ShardingSolution
 
 
 def test_solve_bundled_example_prints_the_brute_force_optimum(

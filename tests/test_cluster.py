@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from alpa_mini.cluster import ClusterSpec, ConfigError, LogicalMesh, available_clusters
+from alpa_mini.cluster.spec import ClusterSpec, LogicalMesh, available_clusters
+from alpa_mini.errors import ConfigError
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 
@@ -145,8 +146,8 @@ def test_cluster_module_does_not_import_jax() -> None:
     # Cluster descriptions and profile databases load in a fresh interpreter without JAX.
     script = (
         "import sys\n"
-        "from alpa_mini.cluster import ClusterSpec\n"
-        "from alpa_mini.profile_db import ProfileDB\n"
+        "from alpa_mini.cluster.spec import ClusterSpec\n"
+        "from alpa_mini.cluster.profile_db import ProfileDB\n"
         "assert ClusterSpec.named('cpu-2x4').num_devices == 8\n"
         "assert 'jax' not in sys.modules, 'cluster.py or profile_db.py imported jax'\n"
     )
@@ -211,7 +212,7 @@ def test_detect_without_memory_stats_uses_the_file(limit) -> None:
 
 
 def test_detect_unknown_kind_warns_and_uses_the_conservative_default(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="alpa_mini.cluster"):
+    with caplog.at_level(logging.WARNING, logger="alpa_mini.cluster.spec"):
         spec = ClusterSpec.detect(fake_devices("NVIDIA GeForce RTX 4090", 1, 2, limit=2**34))
     assert "unknown device kind 'NVIDIA GeForce RTX 4090'" in caplog.text
     ref = ClusterSpec.named("p3.16xlarge")

@@ -1,4 +1,4 @@
-"""``alpa_mini.device_setup``: init / shutdown / current_cluster and the CPU device count.
+"""``alpa_mini.session.local``: init / shutdown / current_cluster and the CPU device count.
 
 JAX fixes its CPU device count when its backend starts, once per process, and this test
 session already runs with 8 CPU devices (conftest.py). Everything that depends on the backend
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from alpa_mini import device_setup
-from alpa_mini.cluster import ClusterSpec, ConfigError, available_clusters
-from alpa_mini.device_setup import current_cluster, init, is_initialized, shutdown
+from alpa_mini.cluster.spec import ClusterSpec, available_clusters
+from alpa_mini.errors import ConfigError
+from alpa_mini.session import local as device_setup
+from alpa_mini.session.local import current_cluster, init, is_initialized, shutdown
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 ENV = device_setup.NUM_CPU_DEVICES_ENV
@@ -58,8 +59,9 @@ def test_init_sets_the_cpu_device_count_and_detects_one_host() -> None:
         """
         import jax, pytest
         from jax._src import xla_bridge
-        from alpa_mini.cluster import ClusterSpec, ConfigError
-        from alpa_mini.device_setup import current_cluster, init, is_initialized, shutdown
+        from alpa_mini.cluster.spec import ClusterSpec
+        from alpa_mini.errors import ConfigError
+        from alpa_mini.session.local import current_cluster, init, is_initialized, shutdown
 
         assert not is_initialized()
         with pytest.raises(RuntimeError, match=r"alpa_mini.init\\(\\) has not been called"):
@@ -101,7 +103,7 @@ def test_env_var_sets_the_count_and_the_argument_wins(
     run_fresh(
         f"""
         import jax
-        from alpa_mini.device_setup import init
+        from alpa_mini.session.local import init
         spec = init(num_cpu_devices={arg!r})
         assert len(jax.devices()) == {expected}, jax.devices()
         assert spec.num_devices == {expected}, spec
@@ -115,7 +117,7 @@ def test_backend_started_by_a_computation_is_detected() -> None:
     run_fresh(
         """
         import jax.numpy as jnp, pytest
-        from alpa_mini.device_setup import init, is_initialized
+        from alpa_mini.session.local import init, is_initialized
         assert float(jnp.ones(3).sum()) == 3.0
         with pytest.raises(RuntimeError) as err:
             init(num_cpu_devices=4)
@@ -133,7 +135,7 @@ def test_same_count_set_by_xla_flags_is_accepted_after_start() -> None:
     run_fresh(
         """
         import jax, jax.numpy as jnp
-        from alpa_mini.device_setup import init
+        from alpa_mini.session.local import init
         jnp.ones(3).block_until_ready()
         assert jax.config.jax_num_cpu_devices == -1
         spec = init(num_cpu_devices=4)

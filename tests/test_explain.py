@@ -18,15 +18,17 @@ import pytest
 from test_shard_parallel import all_reduce, mlp_forward, mlp_inputs, sgd_step
 
 import alpa_mini
-from alpa_mini import Alternative, ClusterSpec, CostModel, Explanation, ShardParallel
-from alpa_mini.auto_sharding import (
+from alpa_mini import ClusterSpec, ShardParallel
+from alpa_mini.graph.tracing import trace_jaxpr
+from alpa_mini.inspect import Alternative, Explanation
+from alpa_mini.shard import CostModel
+from alpa_mini.shard.plan import ShardingPlan
+from alpa_mini.shard.problem import (
     MAX_ALTERNATIVES,
     build_sharding_problem,
     read_plan,
 )
-from alpa_mini.plan import ShardingPlan
 from alpa_mini.solvers import solve_sharding
-from alpa_mini.tracing import trace_jaxpr
 
 CPU = ClusterSpec.named("cpu-1x8")
 ALPHA, BETA = CPU.intra_host.alpha, CPU.intra_host.beta

@@ -1,6 +1,6 @@
-"""Tests of ``alpa_mini.hlo_collectives``: literal HLO snippets for every text form, and real
-programs compiled for the 8 simulated CPU devices (conftest.py) to pin down which collectives
-XLA's SPMD partitioner on CPU really emits."""
+"""Tests of ``alpa_mini.inspect.hlo_collectives``: literal HLO snippets for every text form,
+and real programs compiled for the 8 simulated CPU devices (conftest.py) to pin down which
+collectives XLA's SPMD partitioner on CPU really emits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpa_mini.hlo_collectives import (
+from alpa_mini.inspect.hlo_collectives import (
     KINDS,
     Collective,
     format_table,

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from alpa_mini.solvers.brute_force.sharding import brute_force_sharding
 from alpa_mini.solvers.errors import InfeasibleError
-from alpa_mini.solvers.lns import improve_by_lns, restrict
-from alpa_mini.solvers.sharding_problem import ShardingProblem, evaluate
-from alpa_mini.solvers.simplify import simplify
+from alpa_mini.solvers.sharding.lns import improve_by_lns, restrict
+from alpa_mini.solvers.sharding.problem import ShardingProblem, evaluate
+from alpa_mini.solvers.sharding.simplify import simplify
 from strategies import problems
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
-from alpa_mini.solvers.local_search import (
+from alpa_mini.solvers.sharding.local_search import (
     HeuristicResult,
     exact_peak,
     greedy_assignment,
     local_search,
     min_peak_assignment,
 )
-from alpa_mini.solvers.sharding_problem import ShardingProblem, evaluate, load_iopddl
-from alpa_mini.solvers.simplify import CoreProblem, simplify
+from alpa_mini.solvers.sharding.problem import ShardingProblem, evaluate, load_iopddl
+from alpa_mini.solvers.sharding.simplify import CoreProblem, simplify
 
 DATA = Path(__file__).parents[1].parent / "shared/data/iopddl"
 

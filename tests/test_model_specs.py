@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
-from alpa_mini.cluster import ConfigError
-from alpa_mini.model_specs import ModelSpec, available_models
+from alpa_mini.errors import ConfigError
 from alpa_mini.models.gpt import GPTConfig
 from alpa_mini.models.mlp import MLPConfig, count_params
 from alpa_mini.models.moe import MoELMConfig
+from alpa_mini.models.specs import ModelSpec, available_models
 from alpa_mini.models.wide_resnet import WideResNetConfig
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"

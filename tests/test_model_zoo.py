@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from alpa_mini.cluster import ConfigError
-from alpa_mini.model_specs import ModelSpec, PublishedParallelism, available_models
+from alpa_mini.errors import ConfigError
+from alpa_mini.graph.markers import pipeline_boundary_p
 from alpa_mini.models import (
     GPTConfig,
     MoELMConfig,
@@ -34,8 +34,8 @@ from alpa_mini.models import (
     wide_resnet_loss,
     wide_resnet_num_params,
 )
+from alpa_mini.models.specs import ModelSpec, PublishedParallelism, available_models
 from alpa_mini.models.wide_resnet import _max_pool_3x3_s2
-from alpa_mini.pipeline_marker import pipeline_boundary_p
 
 # Alpa (OSDI'22), alpa-projects/alpa benchmark/alpa: suite_manual_gpt.py / suite_auto_gpt.py.
 ALPA_GPT_GPUS = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from alpa_mini.notebook_runner import NOTEBOOKS_DIR, find_notebooks, run_notebook
+from alpa_mini.cli.notebooks import NOTEBOOKS_DIR, find_notebooks, run_notebook
 
 BOOKS = find_notebooks()
 #: Figures each notebook must save when ALPA_MINI_FIGURES is set.
@@ -31,7 +31,7 @@ def test_notebook_is_stored_without_outputs(book: Path):
     for c in code:
         assert c["outputs"] == [] and c["execution_count"] is None, (
             f"{book.name}: cell {c.get('id')} keeps outputs; run "
-            "`python -c 'from alpa_mini.notebook_runner import strip_outputs as s, "
+            "`python -c 'from alpa_mini.cli.notebooks import strip_outputs as s, "
             "find_notebooks as f; [s(b) for b in f()]'`"
         )
 

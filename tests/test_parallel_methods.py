@@ -9,7 +9,7 @@ import pytest
 
 import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, ShardParallel, Zero2Parallel, Zero3Parallel
-from alpa_mini.hlo_collectives import parse_collectives
+from alpa_mini.inspect.hlo_collectives import parse_collectives
 from alpa_mini.models import adam
 
 CPU = ClusterSpec.named("cpu-1x8")

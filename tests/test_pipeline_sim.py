@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 import alpa_mini
 from alpa_mini import ClusterSpec, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeline_sim import StageTiming, simulate, simulate_plan, stage_timings
-from alpa_mini.pipeshard_executable import plan_pipeshard
-from alpa_mini.schedules import make_schedule
+from alpa_mini.pipeline.executable import plan_pipeshard
+from alpa_mini.pipeline.schedules import make_schedule
+from alpa_mini.pipeline.simulate import StageTiming, simulate, simulate_plan, stage_timings
 
 times = st.lists(st.floats(0.01, 5.0), min_size=1, max_size=6)
 

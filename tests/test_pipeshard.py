@@ -226,7 +226,7 @@ def test_uniform_stages_need_enough_devices():
 
 
 def test_cli_plan_from_abstract_shapes(tmp_path):
-    from alpa_mini.cli import main
+    from alpa_mini.cli.main import main
 
     out = tmp_path / "plan.json"
     rc = main(
@@ -297,7 +297,7 @@ def test_recomputed_blocks_keep_fewer_activations_and_pay_a_forward_pass():
     """With every block under ``jax.checkpoint`` a stage keeps only the blocks' inputs per
     micro-batch in flight and recomputes the rest in its backward: the planner prices both
     (smaller residual, longer stage), and the run still equals serial JAX."""
-    from alpa_mini.pipeline_sim import stage_timings
+    from alpa_mini.pipeline.simulate import stage_timings
 
     timings = {}
     for remat in (False, True):
@@ -313,7 +313,7 @@ def test_recomputed_blocks_keep_fewer_activations_and_pay_a_forward_pass():
 
 def test_model_parallel_in_host_logical_shapes():
     """Every (n / k, k) with k dividing a host's devices, 1-D first; a superset of "auto"."""
-    from alpa_mini.stage_planner import logical_shapes
+    from alpa_mini.pipeline.stage_search import logical_shapes
 
     space = "model_parallel_in_host"
     assert logical_shapes((2, 8), space) == [(16,), (8, 2), (4, 4), (2, 8)]
@@ -352,7 +352,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
     """A failed plan's traceback keeps its traced step alive; planning the same step again
     must trace it again (JAX would otherwise serve the cached trace and alpa_mini.grad would
     capture nothing)."""
-    from alpa_mini.pipeshard_executable import plan_pipeshard
+    from alpa_mini.pipeline.executable import plan_pipeshard
 
     loss, params, data = _mlp_case()
     opt = adam(1e-2)
@@ -374,7 +374,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
 def test_cli_plan_with_wider_logical_shapes_and_memory_lean(tmp_path):
     """`alpa-mini plan --logical-shapes model_parallel_in_host --memory-lean`: the DP's table
     gets one column per (n/k, k) mesh of the (2, 4) submesh plus the ZeRO-3 column."""
-    from alpa_mini.cli import main
+    from alpa_mini.cli.main import main
 
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x4", "--micro-batches", "4"]

@@ -11,19 +11,21 @@ import jax.numpy as jnp
 import pytest
 
 import alpa_mini
-from alpa_mini import AutoStageOption, ClusterSpec, ConfigError, CostModel, ProfileDB
-from alpa_mini.auto_sharding import plan_sharding
-from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeshard_executable import plan_pipeshard
-from alpa_mini.profile_db import (
+from alpa_mini import AutoStageOption, ClusterSpec, ConfigError
+from alpa_mini.cluster import ProfileDB
+from alpa_mini.cluster.microbench import profile_devices
+from alpa_mini.cluster.profile_db import (
     CollectiveFit,
     ComputeFit,
     ProfileError,
     byte_factor,
     fit_alpha_beta,
 )
-from alpa_mini.profiling import profile_devices
-from alpa_mini.tracing import trace_jaxpr
+from alpa_mini.graph.tracing import trace_jaxpr
+from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
+from alpa_mini.pipeline.executable import plan_pipeshard
+from alpa_mini.shard import CostModel
+from alpa_mini.shard.problem import plan_sharding
 
 CPU = ClusterSpec.named("cpu-1x8")
 

@@ -82,7 +82,7 @@ def ray_results(tmp_path_factory):
     results = {}
     try:
         alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
-        from alpa_mini.ray_exec import RemoteArray
+        from alpa_mini.pipeline.ray_driver import RemoteArray
         from alpa_mini.runtime.ray_worker import Resident
 
         for name, method in METHODS.items():
@@ -158,8 +158,8 @@ def test_ray_trace_times_every_instruction_on_every_host(ray_results):
     the plan's mesh tracks; and a timed step computes what serial JAX does."""
     import json
 
+    from alpa_mini.inspect.timeline import mesh_track_names
     from alpa_mini.runtime.instructions import Recv, Run, Send
-    from alpa_mini.timeline import mesh_track_names
 
     r = ray_results["trace"]
     timings, plan = r["timings"], ray_results["2 stages, 1F1B"]["plan"]
@@ -236,7 +236,7 @@ def test_a_stage_mesh_spanning_two_hosts_equals_serial_jax_and_the_local_runtime
     try:
         cluster = alpa_mini.init(cluster="ray", num_hosts=3, num_cpu_devices=4, span_hosts=True)
         assert (cluster.num_hosts, cluster.devices_per_host) == (3, 4)
-        assert alpa_mini.ray_session().span_hosts
+        assert alpa_mini.session.ray_session().span_hosts
         kept: dict = {}
         step, leaves, losses = _train(SPANNING, keep=kept)
         ex = step.get_executable(kept["p"], kept["s"], kept["batch"])
@@ -287,7 +287,7 @@ def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
         from ray_heads import gone
 
         step, _, _ = _train(METHODS["2 stages, 1F1B"], steps=1)
-        session = alpa_mini.ray_session()
+        session = alpa_mini.session.ray_session()
         ray.kill(session.workers[1], no_restart=True)  # asynchronous: wait for the death
         assert gone([session.worker_info[1]["pid"]])
         t0 = time.monotonic()
@@ -340,7 +340,7 @@ def test_killing_a_worker_mid_step_raises_within_30_s():
     alpa_mini.shutdown()
     try:
         alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
-        session = alpa_mini.ray_session()
+        session = alpa_mini.session.ray_session()
         pids = [w["pid"] for w in session.worker_info]
         method = PipeshardParallel(num_micro_batches=8, stage_option=UniformStageOption(2, (1, 4)))
         train_step = make_train_step(loss, OPT, alpa_mini.value_and_grad)

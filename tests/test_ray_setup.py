@@ -11,7 +11,7 @@ from ray_heads import alive, gone
 
 import alpa_mini
 from alpa_mini import ConfigError
-from alpa_mini.ray_setup import describe_workers, gpu_node_counts
+from alpa_mini.session.ray import describe_workers, gpu_node_counts
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         assert (spec.num_hosts, spec.devices_per_host, spec.device.name) == (2, 4, "cpu")
         # Two simulated hosts: the inter-host link is cpu-2x4's (gloo over loopback).
         assert spec.inter_host == alpa_mini.ClusterSpec.named("cpu-2x4").inter_host
-        session = alpa_mini.ray_session()
+        session = alpa_mini.session.ray_session()
         info = session.worker_info
         assert [w["host"] for w in info] == [0, 1]
         assert [len(w["devices"]) for w in info] == [4, 4]
@@ -49,13 +49,13 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
 
         alpa_mini.shutdown()
         assert not ray.is_initialized()
-        assert alpa_mini.ray_session() is None and not alpa_mini.is_initialized()
+        assert alpa_mini.session.ray_session() is None and not alpa_mini.is_initialized()
         assert gone(pids), "a worker process outlived shutdown()"
 
         # The same process can connect again, with another layout.
         again = alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
         assert (again.num_hosts, again.devices_per_host) == (1, 2)
-        pids = [w["pid"] for w in alpa_mini.ray_session().worker_info]
+        pids = [w["pid"] for w in alpa_mini.session.ray_session().worker_info]
     finally:
         alpa_mini.shutdown()
     assert gone(pids)
@@ -117,7 +117,7 @@ def test_connecting_to_a_running_head_leaves_it_running(ray_head):
     alpa_mini.shutdown()
     spec = alpa_mini.init(cluster="ray", address=address, num_hosts=2, num_cpu_devices=2)
     assert (spec.num_hosts, spec.devices_per_host) == (2, 2)
-    workers = [w["pid"] for w in alpa_mini.ray_session().worker_info]
+    workers = [w["pid"] for w in alpa_mini.session.ray_session().worker_info]
     alpa_mini.shutdown()
     assert not ray.is_initialized()
     assert gone(workers)  # our actors are gone ...

@@ -10,8 +10,8 @@ import pytest
 import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeshard_executable import plan_pipeshard
-from alpa_mini.ray_exec import split_stream, stage_hosts
+from alpa_mini.pipeline.executable import plan_pipeshard
+from alpa_mini.pipeline.ray_driver import split_stream, stage_hosts
 from alpa_mini.runtime.instructions import Accumulate, Free, Gather, Put, Recv, Run, Send
 
 GPT = GPTConfig(

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpa_mini.schedules import (
+from alpa_mini.pipeline.schedules import (
     SCHEDULES,
     Schedule,
     Task,

@@ -96,7 +96,7 @@ def test_two_d_mesh_data_parallel_closed_form(devices8) -> None:
     assert ex.plan.comm_time == pytest.approx(expected, rel=1e-12)
     report = ex.collectives()
     assert report.counts() == {"all-reduce": (3, 3)}
-    from alpa_mini.hlo_collectives import parse_collectives
+    from alpa_mini.inspect.hlo_collectives import parse_collectives
 
     groups = {c.group_size for c in parse_collectives(ex.get_hlo_text())}
     assert groups == {8}

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 
 from alpa_mini.solvers.brute_force.sharding import brute_force_min_peak, brute_force_sharding
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
-from alpa_mini.solvers.ilp import ShardingSolution, solve_sharding
-from alpa_mini.solvers.sharding_problem import (
+from alpa_mini.solvers.sharding.problem import (
     ShardingProblem,
     evaluate,
     load_iopddl,
     save_iopddl,
 )
-from alpa_mini.solvers.simplify import simplify
+from alpa_mini.solvers.sharding.simplify import simplify
+from alpa_mini.solvers.sharding.solve import ShardingSolution, solve_sharding
 from strategies import FORBID, problems
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "iopddl"
@@ -297,8 +297,8 @@ def _cycle(n: int) -> ShardingProblem:
 def test_lp_first_path_when_an_integral_optimum_meets_the_lp_bound() -> None:
     """An even ring's relaxation is degenerate (all halves cost 0 too); the LP dive must still
     return an integral optimum, certified by the bound, without branch-and-bound."""
-    from alpa_mini.solvers.mip_backends import run_mip
-    from alpa_mini.solvers.mip_model import build_mip
+    from alpa_mini.solvers.sharding.backends import run_mip
+    from alpa_mini.solvers.sharding.mip_model import build_mip
 
     core = simplify(_cycle(6), enabled=False).core
     model = build_mip(core)

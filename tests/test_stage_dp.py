@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from alpa_mini.solvers.brute_force.stages import brute_force_stages
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
-from alpa_mini.solvers.stage_dp import (
+from alpa_mini.solvers.stages.search import (
     Stage,
     StageProblem,
     StageSolution,

@@ -11,17 +11,17 @@ import pytest
 
 import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, UniformStageOption
-from alpa_mini.models import adam, make_train_step
-from alpa_mini.pipeline_sim import StageTiming, simulate, simulate_plan
-from alpa_mini.runtime.trace import TraceEvent, chrome_trace, measured_events
-from alpa_mini.schedules import make_schedule
-from alpa_mini.timeline import (
+from alpa_mini.inspect.timeline import (
     bubble_fraction,
     mesh_track_names,
     plot_timeline,
     simulated_events,
     write_timeline,
 )
+from alpa_mini.models import adam, make_train_step
+from alpa_mini.pipeline.schedules import make_schedule
+from alpa_mini.pipeline.simulate import StageTiming, simulate, simulate_plan
+from alpa_mini.runtime.chrome_trace import TraceEvent, chrome_trace, measured_events
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

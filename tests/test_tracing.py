@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from alpa_mini.cluster import ClusterSpec
-from alpa_mini.cost_model import CostModel
+from alpa_mini.cluster.spec import ClusterSpec
+from alpa_mini.graph.tracing import trace_jaxpr
 from alpa_mini.models import GPT_TINY, gpt_abstract_batch, gpt_abstract_params, gpt_loss
-from alpa_mini.sharding_spec import ShardingSpec
-from alpa_mini.strategies import loop_nest, node_strategies
-from alpa_mini.tracing import trace_jaxpr
+from alpa_mini.shard.cost_model import CostModel
+from alpa_mini.shard.spec import ShardingSpec
+from alpa_mini.shard.strategies import loop_nest, node_strategies
 
 CPU = ClusterSpec.named("cpu-1x8")
 
@@ -84,9 +84,9 @@ def test_unknown_primitive_runs_replicated_with_one_warning(caplog) -> None:
     cost = CostModel(CPU, CPU.logical_mesh((8,)))
     strategies = node_strategies(node, g, cost)
     assert [s.name for s in strategies] == ["replicated"]
-    from alpa_mini.auto_sharding import build_sharding_problem
+    from alpa_mini.shard.problem import build_sharding_problem
 
-    with caplog.at_level(logging.WARNING, logger="alpa_mini.auto_sharding"):
+    with caplog.at_level(logging.WARNING, logger="alpa_mini.shard.problem"):
         build_sharding_problem(g, cost)
         build_sharding_problem(g, cost)
     hits = [r for r in caplog.records if "'fft'" in r.getMessage()]

@@ -51,6 +51,7 @@ from .moe import (
     moe_routing,
 )
 from .optim import Optimizer, adam, make_train_step, sgd
+from .specs import ModelSpec, available_models
 from .wide_resnet import (
     WideResNetConfig,
     init_wide_resnet,
@@ -70,9 +71,11 @@ __all__ = [
     "MLPConfig",
     "MoEConfig",
     "MoELMConfig",
+    "ModelSpec",
     "Optimizer",
     "WideResNetConfig",
     "adam",
+    "available_models",
     "count_params",
     "gpt_abstract_batch",
     "gpt_abstract_params",

@@ -56,8 +56,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpa_mini.cluster import ConfigError
-from alpa_mini.pipeline_marker import mark_pipeline_boundary
+from alpa_mini.errors import ConfigError
+from alpa_mini.graph.markers import mark_pipeline_boundary
 
 from .gpt import (
     DTYPES,

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpa_mini.cluster import ConfigError
+from alpa_mini.errors import ConfigError
 
 __all__ = ["LearningRate", "Optimizer", "adam", "make_train_step", "sgd"]
 

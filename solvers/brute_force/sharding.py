@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..sharding_problem import Evaluation, ShardingProblem, evaluate
+from ..sharding.problem import Evaluation, ShardingProblem, evaluate
 
 __all__ = ["brute_force_min_peak", "brute_force_sharding"]
 

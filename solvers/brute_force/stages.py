@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 
-from ..stage_dp import Stage, StageProblem, StageSolution
+from ..stages.search import Stage, StageProblem, StageSolution
 
 __all__ = ["brute_force_stages"]
 

@@ -1,0 +1,305 @@
+"""``PipeshardParallel`` and its layer/stage options (inter-operator + intra-operator).
+
+Layers: ``ManualLayerOption()`` cuts at ``mark_pipeline_boundary()``; ``AutoLayerOption(n)``
+clusters the forward into ``n`` balanced layers. Stages: ``AutoStageOption()`` runs the stage
+DP over a cost table of per-stage ILPs; ``UniformStageOption`` splits layers evenly onto equal
+submeshes; ``ManualStageOption`` says exactly which layers go where.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from ..pipeline.schedules import SCHEDULES
+from .shard import ShardParallel
+
+__all__ = [
+    "AutoLayerOption",
+    "AutoStageOption",
+    "ManualLayerOption",
+    "ManualStageOption",
+    "PipeshardParallel",
+    "UniformStageOption",
+]
+
+
+def _positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{owner}.{name}: {value!r} is invalid; expected an int >= 1")
+    return value
+
+
+def _shape(owner: str, name: str, value: object, dims: int | None = None) -> tuple[int, ...]:
+    try:
+        shape = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        shape = ()
+    if (
+        not shape
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape)
+        or (dims is not None and len(shape) != dims)
+        or len(shape) > 3
+    ):
+        want = f"{dims} positive ints" if dims else "1 to 3 positive ints"
+        raise ConfigError(f"{owner}.{name}: {value!r} is invalid; expected {want}")
+    return shape
+
+
+@dataclass(frozen=True)
+class AutoLayerOption:
+    """Cluster the forward into ``layer_num`` layers of balanced flops (within 1 + eps)."""
+
+    layer_num: int
+    eps: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive_int("AutoLayerOption", "layer_num", self.layer_num)
+        if not self.eps >= 0:
+            raise ConfigError(f"AutoLayerOption.eps: {self.eps!r} is invalid; expected >= 0")
+
+
+@dataclass(frozen=True)
+class ManualLayerOption:
+    """Layers end at the step's ``mark_pipeline_boundary()`` calls."""
+
+
+LOGICAL_SHAPE_SPACES = ("auto", "1d", "model_parallel_in_host")
+
+
+@dataclass(frozen=True)
+class AutoStageOption:
+    """Stage slicing by the stage DP over a table of per-stage ILP costs.
+
+    profiling: "individual" composes a layer range's cost from per-layer ILPs plus the
+    resharding between them (fast, Alpa's individual mode); "whole" solves one ILP per range.
+    logical_shapes: "auto" tries 1-D and one 2-D logical mesh per submesh; "1d" only 1-D;
+    "model_parallel_in_host" 1-D and every 2-D (n / k, k) whose second axis k > 1 divides a
+    host's devices (Alpa's single-node model parallel space: every (dp, tp) split Megatron
+    would use, at up to log2(devices per host) more ILPs per layer and submesh).
+    memory_budget: bytes per device (None: the cluster's device memory).
+    submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
+    power-of-two slices of one host), as Alpa does by default; "all" also tries every other
+    host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
+    (what the Ray runtime can run without a ``jax.distributed`` group of its hosts).
+    refine: with individual profiling, also solve each chosen stage as one ILP in every
+    config of its submesh (each logical mesh, and the ZeRO-3 column under ``memory_lean``)
+    and keep the cheapest (whole-stage ILPs per distinct chosen stage: slower planning; the
+    composition's estimate no longer decides the final plan).
+    refine_within: with ``refine``, re-plan only the configs whose composed estimate for the
+    stage is within this fraction of the chosen config's (the chosen one always); None:
+    every config. Whole-stage ILPs dominate refined planning, so this trades a little of
+    refine's reach for time.
+    memory_lean: also offer the DP, per submesh, stages whose layers keep parameters and
+    optimiser state fully sharded (ZeRO-3's layouts on the 1-D mesh). Per-layer ILPs choose
+    layouts for speed alone, so stages composed from them can miss memory that a sharded
+    stage fits; one more ILP per layer and submesh.
+    """
+
+    profiling: str = "individual"
+    logical_shapes: str = "auto"
+    memory_budget: float | None = None
+    submesh_space: str = "power_of_two"
+    refine: bool = False
+    memory_lean: bool = False
+    refine_within: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.profiling not in ("individual", "whole"):
+            raise ConfigError(
+                f"AutoStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
+            )
+        if self.logical_shapes not in LOGICAL_SHAPE_SPACES:
+            raise ConfigError(
+                f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not one of "
+                f"{', '.join(map(repr, LOGICAL_SHAPE_SPACES))}"
+            )
+        for name in ("refine", "memory_lean"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"AutoStageOption.{name}: {value!r} is not True or False")
+        if self.submesh_space not in ("power_of_two", "all", "one_host"):
+            raise ConfigError(
+                f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two', "
+                "'all' or 'one_host'"
+            )
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise ConfigError(
+                f"AutoStageOption.memory_budget: {self.memory_budget!r} is invalid; "
+                "expected bytes > 0 or None"
+            )
+        w = self.refine_within
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int | float) or not w >= 0):
+            raise ConfigError(
+                f"AutoStageOption.refine_within: {w!r} is invalid; expected a fraction >= 0 "
+                "(0.05: configs whose composed estimate is within 5% of the chosen one's) or "
+                "None (every config)"
+            )
+
+
+@dataclass(frozen=True)
+class UniformStageOption:
+    """``num_stages`` stages of equal layer counts, each on a ``submesh_shape`` (hosts,
+    devices) submesh with logical mesh ``logical_shape`` (default: 1-D over the submesh).
+
+    profiling: "whole" solves each distinct stage as one ILP; "individual" composes it from
+    per-layer ILPs as ``AutoStageOption`` does (a few small ILPs instead of one per stage,
+    which is how a grid of uniform configurations is screened quickly)."""
+
+    num_stages: int
+    submesh_shape: tuple[int, int] = (1, 1)
+    logical_shape: tuple[int, ...] | None = None
+    profiling: str = "whole"
+
+    def __post_init__(self) -> None:
+        _positive_int("UniformStageOption", "num_stages", self.num_stages)
+        if self.profiling not in ("individual", "whole"):
+            raise ConfigError(
+                f"UniformStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
+            )
+        sub = _shape("UniformStageOption", "submesh_shape", self.submesh_shape, 2)
+        object.__setattr__(self, "submesh_shape", sub)
+        if self.logical_shape is not None:
+            log = _shape("UniformStageOption", "logical_shape", self.logical_shape)
+            if math.prod(log) != math.prod(sub):
+                raise ConfigError(
+                    f"UniformStageOption.logical_shape: {log} has {math.prod(log)} devices but "
+                    f"submesh_shape {sub} has {math.prod(sub)}"
+                )
+            object.__setattr__(self, "logical_shape", log)
+
+
+@dataclass(frozen=True)
+class ManualStageOption:
+    """Exact stages: ``forward_stage_layer_ids[s]`` lists stage s's (contiguous) layers, on a
+    ``submesh_physical_shapes[s]`` (hosts, devices) submesh with logical mesh
+    ``submesh_logical_shapes[s]``. ``submesh_devices`` (optional) pins each stage's flat
+    device indices, as a saved plan does."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    submesh_physical_shapes: tuple[tuple[int, int], ...]
+    submesh_logical_shapes: tuple[tuple[int, ...], ...] | None = None
+    submesh_devices: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "ManualStageOption"
+        ids = tuple(tuple(int(i) for i in layer_ids) for layer_ids in self.forward_stage_layer_ids)
+        if not ids or any(not s for s in ids):
+            raise ConfigError(
+                f"{owner}.forward_stage_layer_ids: {self.forward_stage_layer_ids!r} must list "
+                "at least one layer per stage"
+            )
+        flat = [i for s in ids for i in s]
+        if flat != list(range(len(flat))):
+            raise ConfigError(
+                f"{owner}.forward_stage_layer_ids: {ids} must cover layers 0..L-1 once, in "
+                "order, each stage a contiguous run"
+            )
+        object.__setattr__(self, "forward_stage_layer_ids", ids)
+        subs = tuple(
+            _shape(owner, f"submesh_physical_shapes[{s}]", x, 2)
+            for s, x in enumerate(self.submesh_physical_shapes)
+        )
+        if len(subs) != len(ids):
+            raise ConfigError(
+                f"{owner}.submesh_physical_shapes: {len(subs)} shapes for {len(ids)} stages"
+            )
+        object.__setattr__(self, "submesh_physical_shapes", subs)
+        if self.submesh_logical_shapes is not None:
+            logs = tuple(
+                _shape(owner, f"submesh_logical_shapes[{s}]", x)
+                for s, x in enumerate(self.submesh_logical_shapes)
+            )
+            if len(logs) != len(ids):
+                raise ConfigError(
+                    f"{owner}.submesh_logical_shapes: {len(logs)} shapes for {len(ids)} stages"
+                )
+            for s, (log, sub) in enumerate(zip(logs, subs, strict=True)):
+                if math.prod(log) != math.prod(sub):
+                    raise ConfigError(
+                        f"{owner}.submesh_logical_shapes[{s}]: {log} does not have the "
+                        f"{math.prod(sub)} devices of submesh {sub}"
+                    )
+            object.__setattr__(self, "submesh_logical_shapes", logs)
+        if self.submesh_devices is not None:
+            devs = tuple(tuple(int(d) for d in x) for x in self.submesh_devices)
+            if len(devs) != len(ids) or any(
+                len(d) != math.prod(sub) for d, sub in zip(devs, subs, strict=False)
+            ):
+                raise ConfigError(
+                    f"{owner}.submesh_devices: {self.submesh_devices!r} must give each stage "
+                    "as many device indices as its submesh has devices"
+                )
+            object.__setattr__(self, "submesh_devices", devs)
+
+
+@dataclass(frozen=True)
+class PipeshardParallel:
+    """Pipeline stages over submeshes, each stage auto-sharded by the ILP.
+
+    num_micro_batches: B, the batch is split along its leading dimension.
+    pipeline_schedule: "1f1b" or "gpipe". default_auto_sharding_option: ILP options per stage
+    (a ``ShardParallel``; its backend, time_limit, memory_budget, layout and batch_axis).
+    gradient_sync: how a stage prices bringing each parameter's gradient into the
+    parameter's layout (where the optimiser applies it). "after": priced once the stage's
+    ILP is solved (fast; the ILP does not see it). "ilp": tied inside the ILP, which then
+    also picks layouts that avoid it (better plans where it matters, e.g. tensor against
+    data parallelism of wide layers; MIPs up to 10x slower on large stages).
+    """
+
+    num_micro_batches: int = 1
+    layer_option: AutoLayerOption | ManualLayerOption = field(default_factory=ManualLayerOption)
+    stage_option: AutoStageOption | UniformStageOption | ManualStageOption = field(
+        default_factory=AutoStageOption
+    )
+    pipeline_schedule: str = "1f1b"
+    default_auto_sharding_option: ShardParallel = field(default_factory=ShardParallel)
+    gradient_sync: str = "after"
+    plan: Any = None  # a PipeshardPlan to replay without planning
+
+    @classmethod
+    def from_plan(cls, plan: Any, **options: Any) -> PipeshardParallel:
+        """Replay a saved ``PipeshardPlan`` (or its JSON text): same stages, devices, layouts."""
+        from ..pipeline.plan import PipeshardPlan
+
+        if isinstance(plan, str):
+            plan = PipeshardPlan.from_json(plan)
+        return cls(
+            num_micro_batches=plan.num_micro_batches,
+            pipeline_schedule=plan.schedule,
+            plan=plan,
+            **options,
+        )
+
+    def __post_init__(self) -> None:
+        _positive_int("PipeshardParallel", "num_micro_batches", self.num_micro_batches)
+        if not isinstance(self.layer_option, AutoLayerOption | ManualLayerOption):
+            raise ConfigError(
+                f"PipeshardParallel.layer_option: {self.layer_option!r} is not an "
+                "AutoLayerOption or ManualLayerOption"
+            )
+        if not isinstance(
+            self.stage_option, AutoStageOption | UniformStageOption | ManualStageOption
+        ):
+            raise ConfigError(
+                f"PipeshardParallel.stage_option: {self.stage_option!r} is not an "
+                "AutoStageOption, UniformStageOption or ManualStageOption"
+            )
+        if self.gradient_sync not in ("after", "ilp"):
+            raise ConfigError(
+                f"PipeshardParallel.gradient_sync: {self.gradient_sync!r} is not 'after' or 'ilp'"
+            )
+        sched = str(self.pipeline_schedule).lower()
+        if sched not in SCHEDULES:
+            raise ConfigError(
+                f"PipeshardParallel.pipeline_schedule: {self.pipeline_schedule!r} is not one of "
+                f"{SCHEDULES}"
+            )
+        object.__setattr__(self, "pipeline_schedule", sched)
+        if not isinstance(self.default_auto_sharding_option, ShardParallel):
+            raise ConfigError(
+                "PipeshardParallel.default_auto_sharding_option: expected a ShardParallel, got "
+                f"{self.default_auto_sharding_option!r}"
+            )

@@ -1,0 +1,267 @@
+"""Plan and lower a step for ``PipeshardParallel``; ``PipeshardExecutable`` runs it locally."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from ..cluster.spec import ClusterSpec
+from ..graph.grad_capture import GradCapture, capturing
+from ..options.pipeshard import PipeshardParallel
+from ..runtime.instructions import format_stream
+from ..runtime.local import InstructionTiming, LocalRuntime
+from ..shard.executable import dynamic_leaves
+from .layers import flatten_calls
+from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
+from .plan import PipeshardPlan, StagePlan
+from .schedules import make_schedule
+from .stage_search import plan_pipeline
+
+__all__ = ["PipeshardExecutable", "compile_pipeshard", "plan_pipeshard"]
+
+
+@dataclass(eq=False)
+class PipeshardExecutable:
+    """A pipelined step for one argument signature."""
+
+    fun_name: str
+    plan: PipeshardPlan
+    compiled: CompiledPipeline
+    runtime: LocalRuntime
+    in_tree: Any
+    out_tree: Any
+    static_argnums: tuple[int, ...]
+    planning_time: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._run(args, None)
+
+    def profile(self, *args: Any) -> tuple[Any, list[InstructionTiming]]:
+        """One step with every instruction timed (run back to back, each waiting for its
+        results): the step's outputs and the measured per-instruction intervals."""
+        timeline: list[InstructionTiming] = []
+        return self._run(args, timeline), timeline
+
+    def _run(self, args: tuple[Any, ...], timeline: list[InstructionTiming] | None) -> Any:
+        flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
+        buffers = self.runtime.execute(self.compiled.stream, buffers, timeline)
+        outs = [
+            self.compiled.out_literals[o] if n is None else buffers[n]
+            for o, n in enumerate(self.compiled.out_names)
+        ]
+        return jax.tree.unflatten(self.out_tree, outs)
+
+    def trace(self, path: str | Path, *args: Any, png: bool = True) -> list[InstructionTiming]:
+        """One profiled step (``profile``) written as a Chrome trace to ``path`` from the
+        measured intervals, one track per mesh named like ``PipeshardPlan.timeline``'s, plus
+        a Gantt chart beside it (same stem, .png); returns the timings.
+
+        Instructions run back to back while profiled, so the trace shows where each mesh's
+        time goes, not how much the meshes overlap in a plain step.
+        """
+        from ..inspect.timeline import write_measured_trace
+
+        _, timings = self.profile(*args)
+        write_measured_trace(
+            path, timings, self.plan, self.fun_name, how="instructions back to back", png=png
+        )
+        return timings
+
+    def instructions(self, limit: int | None = 60) -> str:
+        """The step's instruction stream, one line each."""
+        return format_stream(self.compiled.stream, limit)
+
+
+@dataclass(frozen=True)
+class StepFun:
+    """The user's step over flat array leaves, static arguments put back in their places;
+    picklable, so that Ray workers can trace the same step."""
+
+    fun: Callable[..., Any]
+    static: tuple[tuple[int, Any], ...]
+    in_tree: Any
+
+    def __call__(self, *leaves: Any) -> Any:
+        args: list[Any] = list(jax.tree.unflatten(self.in_tree, leaves))
+        for i, value in self.static:
+            args.insert(i, value)
+        return self.fun(*args)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return _ADD(a, b)
+
+
+_ADD = jax.jit(jnp.add)
+
+
+def compile_pipeshard(
+    fun: Callable[..., Any],
+    flat_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    in_tree: Any,
+    static: tuple[tuple[int, Any], ...],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    plan: PipeshardPlan | None = None,
+) -> PipeshardExecutable:
+    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``plan``), lower."""
+    t0 = time.perf_counter()
+    B = method.num_micro_batches
+    step, out_shape, capture, forward = _trace(flat_fun, avals, B)
+    devices = jax.devices()[: cluster.num_devices]
+    if plan is None:
+        plan = _plan(forward, capture, avals, roles, method, cluster, t0, None)
+    else:
+        if plan.num_equations != len(forward.jaxpr.eqns) or plan.num_micro_batches != B:
+            raise ValueError(
+                f"plan: made for a forward of {plan.num_equations} equations and "
+                f"{plan.num_micro_batches} micro-batches; this step has "
+                f"{len(forward.jaxpr.eqns)} and {B}"
+            )
+    lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
+    schedule = make_schedule(plan.schedule, plan.num_stages, B)
+    compiled = compile_pipeline(step, capture, forward, lowering, schedule)
+    runtime = LocalRuntime(compiled.programs, compiled.layouts, _add)
+    return PipeshardExecutable(
+        fun_name=getattr(fun, "__name__", "step"),
+        plan=plan,
+        compiled=compiled,
+        runtime=runtime,
+        in_tree=in_tree,
+        out_tree=jax.tree.structure(out_shape),
+        static_argnums=tuple(i for i, _ in static),
+        planning_time=time.perf_counter() - t0,
+        extra={"schedule": schedule},
+    )
+
+
+def stage_lowerings(plan: PipeshardPlan, devices: list[tuple[Any, ...]]) -> list[StageLowering]:
+    """What ``compile_pipeline`` needs of each planned stage, on the given devices."""
+    return [
+        StageLowering(
+            s.eqn_start,
+            s.eqn_end,
+            devs,
+            s.logical_shape,
+            s.in_specs or None,
+            s.out_specs or None,
+            s.inner_specs,
+        )
+        for s, devs in zip(plan.stages, devices, strict=True)
+    ]
+
+
+def _nbytes(a: Any) -> float:
+    return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
+
+
+def plan_pipeshard(
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None = None,
+) -> PipeshardPlan:
+    """Plan only (no devices needed): ``args`` may be ``jax.ShapeDtypeStruct`` pytrees of
+    (params, state..., batch) in the step's order; nothing is allocated or compiled."""
+    t0 = time.perf_counter()
+    flat, in_tree = jax.tree.flatten(args)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in flat]
+    roles = []
+    for i, a in enumerate(args):
+        role = "batch" if i == len(args) - 1 else "param" if i == 0 else "state"
+        roles += [role] * len(jax.tree.leaves(a))
+
+    step_fun = StepFun(step, (), in_tree)
+    _, _, capture, forward = _trace(step_fun, avals, method.num_micro_batches)
+    return _plan(forward, capture, avals, roles, method, cluster, t0, progress)
+
+
+def _trace(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int):
+    """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
+    with capturing(num_micro_batches) as captures:
+        # A fresh closure each time: JAX caches traces by function, and an equal StepFun kept
+        # alive elsewhere (a traceback, a caller) would be served from that cache without
+        # running, so alpa_mini.grad would capture nothing.
+        step, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*avals)
+    g = grad_equation(step.jaxpr)
+    capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
+    return step, out_shape, capture, flatten_calls(capture.loss)
+
+
+def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> PipeshardPlan:
+    """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
+    param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
+    state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    decisions, starts, problem, solution, stats = plan_pipeline(
+        forward,
+        capture,
+        cluster,
+        method,
+        state_bytes_total=state_bytes,
+        param_bytes_total=param_bytes,
+        progress=progress,
+    )
+    return _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
+
+
+def _boundary_bytes(forward: Any, eqn_start: int, eqn_end: int) -> float:
+    """Bytes of the values equations [eqn_start, eqn_end) define that later equations (or
+    the forward's results) read: what the stage sends on, per micro-batch."""
+    jaxpr = forward.jaxpr
+    defined = {v for e in jaxpr.eqns[eqn_start:eqn_end] for v in e.outvars}
+    read = [v for e in jaxpr.eqns[eqn_end:] for v in e.invars]
+    if eqn_end < len(jaxpr.eqns):  # the last stage's results are the loss, not a send
+        read += jaxpr.outvars
+    later = {v for v in read if not isinstance(v, Literal) and v in defined}
+    return float(sum(_nbytes(v.aval) for v in later))
+
+
+def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):
+    return PipeshardPlan(
+        stages=tuple(
+            StagePlan(
+                d.layer_start,
+                d.layer_end,
+                d.eqn_start,
+                d.eqn_end,
+                d.submesh,
+                d.devices,
+                d.logical_shape,
+                d.cost.latency,
+                d.cost.memory(1),
+                d.cost.in_specs,
+                d.cost.out_specs,
+                d.cost.inner_specs,
+                _boundary_bytes(forward, d.eqn_start, d.eqn_end),
+                d.cost.residual_bytes,
+            )
+            for d in decisions
+        ),
+        layer_starts=starts,
+        num_equations=len(forward.jaxpr.eqns),
+        schedule=method.pipeline_schedule,
+        num_micro_batches=method.num_micro_batches,
+        cluster=cluster.name,
+        stage_problem=problem,
+        stage_solution=solution,
+        planning={
+            "ilps_solved": stats.ilps_solved,
+            "cost_entries": stats.cost_entries,
+            "cache_hits": stats.cache_hits,
+            "seconds": time.perf_counter() - t0,
+        },
+    )

@@ -1,0 +1,206 @@
+"""Cut a flat forward jaxpr into layers and layer ranges into stage slices.
+
+The forward loss is first flattened (``jit``/``closed_call`` bodies inlined, so markers and
+clustering see individual equations). Layers are contiguous equation ranges: cut at
+``mark_pipeline_boundary()`` markers, or chosen by ``solvers.layer_clustering`` (balanced
+flops, fewest bytes crossing a cut). A stage is a contiguous range of layers; its slice
+records which variables it reads from outside and which it must hand on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from ..graph.markers import MARKER_NAME
+from ..graph.tracing import _jaxpr_flops, _subjaxprs, equation_flops
+from ..shard.lower import _equation_context
+from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
+
+__all__ = [
+    "StageSlice",
+    "cluster_layer_starts",
+    "eval_eqns",
+    "flatten_calls",
+    "layer_hash",
+    "marker_layer_starts",
+    "slice_stage",
+]
+
+_FLATTENED = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
+
+
+def eval_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
+    """Evaluate equations in order, reading and writing ``env`` (var -> value)."""
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in eqns:
+        invals = [read(v) for v in eqn.invars]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with _equation_context(eqn):
+            ans = eqn.primitive.bind(*invals, **params)
+        outs = ans if eqn.primitive.multiple_results else [ans]
+        env.update(zip(eqn.outvars, outs, strict=True))
+
+
+def _inline(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _FLATTENED:
+            sub = eqn.params[_FLATTENED[name]]
+            sub_j, sub_c = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, ())
+            outs = _inline(sub_j, sub_c, [read(v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs, strict=True))
+        else:
+            eval_eqns([eqn], env)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def flatten_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same function with nested ``jit``/``closed_call`` bodies spliced in."""
+    if not any(e.primitive.name in _FLATTENED for e in closed.jaxpr.eqns):
+        return closed
+    return jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*closed.in_avals)
+
+
+def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
+    """Layer start indices from ``mark_pipeline_boundary`` equations (a layer ends after a
+    marker); markers at the very start or end add no empty layer."""
+    n = len(jaxpr.eqns)
+    starts = [0]
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == MARKER_NAME and 0 < i + 1 < n and i + 1 > starts[-1]:
+            starts.append(i + 1)
+    return tuple(starts)
+
+
+def _eqn_flops(eqn: Any) -> float:
+    subs = _subjaxprs(eqn)
+    if subs:
+        scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        return scale * sum(_jaxpr_flops(s) for s in subs)
+    return equation_flops(eqn)
+
+
+def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tuple[int, ...]:
+    """Layer starts chosen by ``solvers.layer_clustering``: flops within (1+eps)·mean per layer
+    while the largest activation crossing a cut is as small as possible."""
+    eqns = jaxpr.eqns
+    n = len(eqns)
+    if n == 0:
+        raise ValueError("layer_option: the loss function has no equations to split into layers")
+    num_layers = min(num_layers, n)
+    flops = np.array([_eqn_flops(e) for e in eqns], dtype=np.float64)
+    # Every equation weighs at least a little, so zero-flop stretches still get balanced.
+    flops = np.maximum(flops, 1e-3 * max(float(flops.sum()), 1.0) / n)
+    producer: dict[Any, int] = {}
+    last_use: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal) and v in producer:
+                last_use[v] = i
+        for v in eqn.outvars:
+            producer[v] = i
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal) and v in producer:
+            last_use[v] = n
+    vars_ = [v for v in producer if v in last_use]
+    sizes = [v.aval.size * v.aval.dtype.itemsize for v in vars_]
+    cuts = (
+        cut_bytes_from_tensors(n, [producer[v] for v in vars_], [last_use[v] for v in vars_], sizes)
+        if n > 1
+        else np.zeros(0)
+    )
+    result = cluster_layers(flops, cuts, num_layers, eps)
+    return tuple(int(s) for s in result.layer_starts)
+
+
+@dataclass(frozen=True, eq=False)
+class StageSlice:
+    """Equations ``[start, end)`` of the flat forward and the variables crossing its edges.
+
+    ``invars``: read here, defined outside (loss inputs, constants, earlier slices);
+    ``outvars``: defined here and read later (by a later slice or as a loss output).
+    """
+
+    start: int
+    end: int
+    eqns: tuple[Any, ...]
+    invars: tuple[Any, ...]
+    outvars: tuple[Any, ...]
+
+
+def slice_stage(jaxpr: Jaxpr, start: int, end: int) -> StageSlice:
+    """The slice of equations ``[start, end)``; the last slice also hands on the loss outputs
+    that no equation of it defines."""
+    eqns = tuple(jaxpr.eqns[start:end])
+    defined: set[Any] = set()
+    reads: list[Any] = []
+    seen: set[Any] = set()
+    for eqn in eqns:
+        for v in eqn.invars:
+            if isinstance(v, Literal) or v in defined or v in seen:
+                continue
+            seen.add(v)
+            reads.append(v)
+        defined.update(eqn.outvars)
+    later: set[Any] = set()
+    for eqn in jaxpr.eqns[end:]:
+        later.update(v for v in eqn.invars if not isinstance(v, Literal))
+    final = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
+    later.update(final)
+    outs = [v for eqn in eqns for v in eqn.outvars if v in later and not _is_drop(v)]
+    if end == len(jaxpr.eqns):  # loss outputs defined before this slice pass through it
+        for v in final:
+            if v not in defined and v not in outs:
+                if v not in seen:
+                    seen.add(v)
+                    reads.append(v)
+                outs.append(v)
+    return StageSlice(start, end, eqns, tuple(reads), tuple(dict.fromkeys(outs)))
+
+
+def _is_drop(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
+    """A structural hash of a run of equations and the values it hands on: equal for layers
+    that differ only in which variables they read (the same block on other parameters)."""
+    names: dict[Any, str] = {}
+
+    def name(v: Any) -> str:
+        if isinstance(v, Literal):
+            return f"lit({v.val!r}:{v.aval.str_short()})"
+        if v not in names:
+            names[v] = f"v{len(names)}:{v.aval.str_short()}"
+        return names[v]
+
+    parts = [",".join(name(v) for v in invars)]
+    for eqn in eqns:
+        params = {k: v for k, v in eqn.params.items()}
+        parts.append(
+            f"{eqn.primitive.name}[{sorted(params.items(), key=lambda kv: kv[0])!r}]"
+            f"({','.join(name(v) for v in eqn.invars)})->({','.join(name(v) for v in eqn.outvars)})"
+        )
+    parts.append("out:" + ",".join(name(v) for v in outvars))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,473 @@
+"""PipeshardParallel on Ray: the driver plans, every host worker compiles its own stages and
+runs its share of the instruction stream; buffers cross hosts worker-to-worker.
+
+The driver traces and plans from abstract shapes (no devices needed). Each ``HostWorker``
+gets a ``WorkerBuilder``: it re-traces the step, lowers the plan onto its own devices and
+keeps the part of the stream that runs there (``split_stream``). A ``Put`` whose source
+lives on another host becomes ``Send`` there and ``Recv`` + ``Put`` here. One ``run_step``
+call per worker per step carries the step inputs that worker reads; each returns the step
+outputs it holds.
+
+Outputs stay on the worker that computed them (``RemoteArray`` handles that fetch lazily);
+fed back into the next step they are used in place, so parameters and optimiser state do
+not travel. With ``init(cluster="ray", span_hosts=True)`` the workers form one
+``jax.distributed`` group and a stage mesh may span hosts: each of its hosts runs the
+stage's instructions (the same programs, in the same order, as one SPMD computation), and a
+buffer sharded over it is gathered whole on those hosts before it moves to another mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..cluster.spec import ClusterSpec
+from ..errors import ConfigError, WorkerFailedError
+from ..options.pipeshard import AutoStageOption, PipeshardParallel
+from ..runtime.instructions import Free, Gather, Instruction, Put, Recv, Run, Send
+from ..runtime.local import InstructionTiming, LocalRuntime
+from ..runtime.ray_worker import Resident
+from ..session.ray import RaySession
+from ..shard.executable import dynamic_leaves
+from .executable import StepFun
+from .plan import PipeshardPlan
+
+__all__ = [
+    "HostStreams",
+    "RayPipeshardExecutable",
+    "RemoteArray",
+    "WorkerBuilder",
+    "compile_pipeshard_ray",
+    "split_stream",
+    "stage_hosts",
+]
+
+#: Seconds one step may take before the driver reports the workers that did not answer.
+STEP_TIMEOUT = 300.0
+
+
+def stage_hosts(
+    plan: PipeshardPlan, devices_per_host: int, span_hosts: bool
+) -> list[tuple[int, ...]]:
+    """The hosts of every stage's mesh; one spanning hosts needs the workers' group."""
+    hosts = []
+    for s, st in enumerate(plan.stages):
+        on = tuple(sorted({d // devices_per_host for d in st.devices}))
+        if len(on) > 1 and not span_hosts:
+            raise ConfigError(
+                f"stage {s}: devices {list(st.devices)} span hosts {list(on)}; a stage mesh "
+                "across hosts needs the host workers in one jax.distributed group: "
+                "alpa_mini.init(cluster='ray', span_hosts=True, ...)"
+            )
+        hosts.append(on)
+    return hosts
+
+
+@dataclass(frozen=True)
+class HostStreams:
+    """An instruction stream split over host workers (see ``split_stream``)."""
+
+    streams: dict[int, list[Instruction]]  # each host's instructions, in global order
+    needs: dict[int, set[str]]  # the step inputs each host reads
+    where: dict[str, tuple[int, ...]]  # the hosts holding each buffer (several: sharded)
+    mesh_of: dict[str, int]  # the mesh each buffer was last laid out on
+    arg_meshes: dict[str, set[int]]  # the meshes each step input is put on
+
+
+def split_stream(
+    stream: Sequence[Instruction],
+    stage_hosts: Sequence[tuple[int, ...]],
+    arg_names: Sequence[str],
+) -> HostStreams:
+    """Each host's part of ``stream``: every instruction goes to all hosts of its mesh;
+    a ``Put`` from another host becomes ``Send`` there and ``Recv`` + ``Put`` here, and a
+    buffer sharded over several hosts is first gathered whole on each of them (``Gather``,
+    one collective of its mesh).
+
+    Order is what makes it deadlock-free: every host keeps the global order, so a ``Recv``
+    waits only for a ``Send``, and a collective only for peers' instructions, that come
+    earlier; sends never block.
+    """
+    args = set(arg_names)
+    streams: dict[int, list[Instruction]] = {
+        h: [] for h in sorted({h for hs in stage_hosts for h in hs})
+    }
+    needs: dict[int, set[str]] = {h: set() for h in streams}
+    where: dict[str, tuple[int, ...]] = {}
+    mesh_of: dict[str, int] = {}
+    arg_meshes: dict[str, set[int]] = {}
+
+    def emit(hosts: Sequence[int], ins: Instruction) -> None:
+        for h in hosts:
+            streams[h].append(ins)
+
+    for ins in stream:
+        hs = stage_hosts[ins.mesh]
+        if isinstance(ins, Put):
+            src = ins.src
+            if src in args and src not in where:
+                for h in hs:
+                    needs[h].add(src)
+                arg_meshes.setdefault(src, set()).add(ins.mesh)
+                emit(hs, ins)
+            elif src not in where:
+                raise ValueError(f"stream: Put reads {src!r} before any instruction writes it")
+            elif mesh_of[src] == ins.mesh or (len(hs) == 1 and where[src] == hs):
+                emit(hs, ins)  # the same mesh, or one host to itself
+            else:
+                _transfer(ins, where[src], mesh_of[src], hs, streams)
+        elif isinstance(ins, Run):
+            for h in hs:
+                needs[h].update(n for n in ins.inputs if n in args and n not in where)
+            emit(hs, ins)
+        else:
+            emit(hs, ins)
+        for name in LocalRuntime.written(ins):
+            where[name], mesh_of[name] = hs, ins.mesh
+    return HostStreams(streams, needs, where, mesh_of, arg_meshes)
+
+
+def _transfer(
+    put: Put,
+    holders: tuple[int, ...],
+    src_mesh: int,
+    hosts: tuple[int, ...],
+    streams: dict[int, list[Instruction]],
+) -> None:
+    """``put`` across meshes of different hosts: every host of the destination gets a whole
+    copy (its own, or one sent by a holder), which its ``Put`` then lays out."""
+    copy = put.src
+    if len(holders) > 1:  # sharded over several hosts: each of them gathers it whole
+        copy = f"{put.src}@whole"
+        for h in holders:
+            streams[h].append(Gather(put.src, copy, src_mesh))
+    for i, h in enumerate(hosts):
+        if h in holders:
+            streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
+            continue
+        frm = holders[i % len(holders)]  # spread the sends over the holders
+        tag = f"{put.src}->{put.dst}"
+        streams[frm].append(Send(copy, h, tag, src_mesh))
+        streams[h].append(Recv(tag, frm, copy, put.mesh))
+        streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
+        streams[h].append(Free((copy,), put.mesh))  # the received copy
+    if copy != put.src:
+        for h in holders:
+            streams[h].append(Free((copy,), src_mesh))
+
+
+@dataclass(frozen=True)
+class WorkerBuilder:
+    """Runs on a host worker: trace, lower the plan onto that worker's devices, keep its part
+    of the stream. Every worker derives the same programs and names from the same plan."""
+
+    step_fun: StepFun
+    avals: tuple[Any, ...]
+    plan_json: str
+    stage_host: tuple[tuple[int, ...], ...]
+    devices_per_host: int
+
+    def __call__(
+        self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
+    ) -> tuple[Any, ...]:
+        """``devices``: this host's; ``group_devices``: every host's, host-major, when the
+        workers form one ``jax.distributed`` group (plan device ``d`` is then the d-th)."""
+        from .executable import _add, _trace, stage_lowerings
+        from .lower.compile import compile_pipeline
+        from .schedules import make_schedule
+
+        plan = PipeshardPlan.from_json(self.plan_json)
+        B = plan.num_micro_batches
+        step, _, capture, forward = _trace(self.step_fun, list(self.avals), B)
+        placed = []
+        for s, st in enumerate(plan.stages):
+            if group_devices:
+                placed.append(tuple(group_devices[d] for d in st.devices))
+            elif host in self.stage_host[s]:
+                placed.append(tuple(devices[d % self.devices_per_host] for d in st.devices))
+            else:  # never run here; any devices of the right count keep the lowering uniform
+                placed.append(tuple(devices[: len(st.devices)]))
+        schedule = make_schedule(plan.schedule, plan.num_stages, B)
+        compiled = compile_pipeline(step, capture, forward, stage_lowerings(plan, placed), schedule)
+        split = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
+        holds = sorted(
+            n for n in compiled.out_names if n is not None and host in split.where.get(n, ())
+        )
+        spread = {  # outputs sharded over several hosts: the devices of their mesh
+            n: tuple(sorted(plan.stages[split.mesh_of[n]].devices))
+            for n in compiled.out_names
+            if n is not None and len(split.where.get(n, ())) > 1
+        }
+        meta = {
+            "out_names": compiled.out_names,
+            "out_literals": compiled.out_literals,
+            "out_devices": spread,
+            "arg_devices": {  # the device sets (plan devices) each step input is put on
+                n: {tuple(sorted(plan.stages[m].devices)) for m in meshes}
+                for n, meshes in split.arg_meshes.items()
+            },
+        }
+        return (
+            compiled.programs,
+            compiled.layouts,
+            _add,
+            split.streams.get(host, []),
+            sorted(split.needs.get(host, ())),
+            holds,
+            meta,
+        )
+
+
+@dataclass(eq=False)
+class RayPipeshardExecutable:
+    """A pipelined step whose stages run on Ray host workers."""
+
+    fun_name: str
+    plan: PipeshardPlan
+    session: RaySession
+    keys: list[int]  # the executable's index on each worker
+    needs: list[list[str]]
+    out_names: list[str | None]
+    out_literals: dict[int, Any]
+    out_devices: dict[str, tuple[int, ...]]  # plan devices of outputs sharded over hosts
+    arg_devices: dict[str, set[tuple[int, ...]]]  # plan devices each step input is put on
+    stage_host: tuple[tuple[int, ...], ...]  # the hosts of every stage's mesh
+    in_tree: Any
+    out_tree: Any
+    static_argnums: tuple[int, ...]
+    planning_time: float
+    last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
+    _steps: Any = field(default_factory=itertools.count)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._run(args, timed=False)
+
+    def profile(self, *args: Any) -> tuple[Any, list[InstructionTiming]]:
+        """One step with every instruction timed on its worker (each waits for its results
+        before the next starts; the hosts still run side by side): the step's outputs and
+        the intervals, in ``time.time`` seconds, each with the host that ran it."""
+        import ray
+
+        outs = self._run(args, timed=True)
+        per_host = ray.get([w.last_timings.remote() for w in self.session.workers])
+        timings = [t for host in per_host for t in host]
+        return outs, sorted(timings, key=lambda t: (t.start, t.host, t.index))
+
+    def trace(self, path: str | Path, *args: Any, png: bool = True) -> list[InstructionTiming]:
+        """One profiled step (``profile``) as a Chrome trace at ``path`` plus a Gantt chart
+        beside it (same stem, .png), one track per mesh named like
+        ``PipeshardPlan.timeline``'s; returns every host's timings.
+
+        Instructions of one host run back to back while profiled, but the hosts run side by
+        side, so the trace shows how the meshes of different hosts overlap. A mesh spanning
+        hosts runs each instruction on all of them in lockstep: its track shows its first
+        host's intervals (the others are in the returned timings).
+        """
+        from ..inspect.timeline import write_measured_trace
+
+        _, timings = self.profile(*args)
+        first = {m: hosts[0] for m, hosts in enumerate(self.stage_host)}
+        shown = [
+            t
+            for t in timings
+            if isinstance(t.instruction, Send | Recv) or t.host == first[t.instruction.mesh]
+        ]
+        how = "back to back on each host, hosts side by side"
+        write_measured_trace(path, shown, self.plan, self.fun_name, how=how, png=png)
+        return timings
+
+    def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
+        import ray
+
+        flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        step = next(self._steps)
+        workers = self.session.workers
+        t0 = time.perf_counter()
+        garbage, self.session.garbage[:] = list(self.session.garbage), []
+        refs = [
+            w.run_step.remote(
+                key,
+                step,
+                {n: self._input(flat[int(n[3:])], host, n) for n in need},
+                [k for h, k in garbage if h == host],
+                timed,
+            )
+            for host, (w, key, need) in enumerate(zip(workers, self.keys, self.needs, strict=True))
+        ]
+        self.last_dispatch_seconds = time.perf_counter() - t0
+        held: dict[str, dict[str, Any]] = {}
+        host_of = {ref: host for host, ref in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + STEP_TIMEOUT
+        while pending:
+            # Whichever worker finishes (or dies) first: a dead worker fails at once, while
+            # its peers would only time out waiting for what it never sends.
+            done, pending = ray.wait(pending, timeout=max(deadline - time.monotonic(), 0))
+            if not done:
+                host = host_of[pending[0]]
+                reason = f"step {step} did not finish within {STEP_TIMEOUT:.0f} s"
+                raise WorkerFailedError(host, self.session.worker_info[host], reason)
+            for ref in done:
+                host = host_of[ref]
+                try:
+                    for name, (rkey, shape, dtype) in ray.get(ref).items():
+                        entry = held.setdefault(name, {"keys": [], "shape": shape, "dtype": dtype})
+                        entry["keys"].append((host, rkey))
+                except ray.exceptions.RayActorError as err:
+                    info = self.session.worker_info[host]
+                    raise WorkerFailedError(host, info, f"during step {step}: {err}") from None
+                except ray.exceptions.RayTaskError as err:
+                    self.session.check_workers(timeout=5.0)  # a dead peer is the real cause
+                    raise RuntimeError(f"host {host} failed in step {step}: {err}") from None
+        outs = []
+        for o, name in enumerate(self.out_names):
+            if name is None:
+                outs.append(self.out_literals[o])
+            elif name in held:
+                h = held[name]
+                keys = tuple(sorted(h["keys"]))
+                devices = self.out_devices.get(name, ())
+                outs.append(RemoteArray(self.session, keys, h["shape"], h["dtype"], devices))
+            else:  # an input handed back unchanged
+                outs.append(flat[int(name[3:])])
+        return jax.tree.unflatten(self.out_tree, outs)
+
+    def _input(self, leaf: Any, host: int, name: str) -> Any:
+        """What a worker gets for step input ``name``: a reference to its own resident copy
+        where that can be used in place, else the array (through the object store). A value
+        sharded over several hosts is used in place only by the mesh it is sharded over
+        (JAX cannot move it to other devices across processes)."""
+        if isinstance(leaf, RemoteArray) and leaf.session is self.session:
+            here = dict(leaf.keys).get(host)
+            if here is not None and len(leaf.keys) == 1:
+                return Resident(here)
+            if here is not None and self.arg_devices.get(name) == {leaf.devices}:
+                return Resident(here)
+        return np.asarray(leaf)
+
+
+class RemoteArray:
+    """A step output that stays on the host worker(s) that computed it. ``np.asarray(x)``
+    fetches it (once); passed back into a step on the same worker it is used in place, so
+    parameters and optimiser state stay on their workers between steps. A value sharded
+    over the devices of several hosts (a stage mesh spanning hosts) has a key on each."""
+
+    def __init__(
+        self,
+        session: RaySession,
+        keys: tuple[tuple[int, str], ...],
+        shape: Sequence[int],
+        dtype: Any,
+        devices: tuple[int, ...] = (),
+    ) -> None:
+        self.session, self.keys = session, keys
+        self.devices = devices  # plan devices of the spanning mesh it is sharded over
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self._value: np.ndarray | None = None
+
+    @property
+    def host(self) -> int:
+        """The (first) host worker holding it."""
+        return self.keys[0][0]
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return tuple(h for h, _ in self.keys)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def block_until_ready(self) -> RemoteArray:
+        return self  # it exists once its step has finished on the worker
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._value is None:
+            import ray
+
+            if not self.session.workers:
+                raise RuntimeError(
+                    f"this value lived on Ray host worker(s) {list(self.hosts)}, which "
+                    "alpa_mini.shutdown() removed; fetch outputs (np.asarray) before shutting "
+                    "down"
+                )
+            workers = self.session.workers
+            got = ray.get([workers[h].fetch.remote(k) for h, k in self.keys])
+            if isinstance(got[0], np.ndarray):
+                self._value = got[0]
+            else:  # pieces of a value sharded over several hosts
+                whole = np.empty(self.shape, self.dtype)
+                for index, piece in (p for pieces in got for p in pieces):
+                    whole[index] = piece
+                self._value = whole
+        return self._value if dtype is None else self._value.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(np.asarray(self))
+
+    def __repr__(self) -> str:
+        return f"RemoteArray(hosts={list(self.hosts)}, shape={self.shape}, dtype={self.dtype})"
+
+    def __del__(self) -> None:
+        # Queue the workers' copies for release with the next step's call (one remote call
+        # per step, not one per dropped handle). No module globals: may run at exit.
+        self.session.garbage.extend(self.keys)
+
+
+def compile_pipeshard_ray(
+    fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    in_tree: Any,
+    static: tuple[tuple[int, Any], ...],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    session: RaySession,
+) -> RayPipeshardExecutable:
+    """Plan on the driver (or replay ``method.plan``), then build on every host worker."""
+    import ray
+
+    from .executable import _plan, _trace
+
+    t0 = time.perf_counter()
+    step_fun = StepFun(fun, static, in_tree)
+    B = method.num_micro_batches
+    _, out_shape, capture, forward = _trace(step_fun, avals, B)
+    if (
+        method.plan is None
+        and isinstance(method.stage_option, AutoStageOption)
+        and not session.span_hosts
+    ):
+        # Without the workers' jax.distributed group no stage mesh may span hosts.
+        option = dataclasses.replace(method.stage_option, submesh_space="one_host")
+        method = dataclasses.replace(method, stage_option=option)
+    plan = method.plan or _plan(forward, capture, avals, roles, method, cluster, t0, None)
+    hosts = stage_hosts(plan, cluster.devices_per_host, session.span_hosts)
+    builder = WorkerBuilder(
+        step_fun, tuple(avals), plan.to_json(), tuple(hosts), cluster.devices_per_host
+    )
+    built = ray.get([w.build.remote(builder) for w in session.workers])
+    meta = built[0]["meta"]
+    return RayPipeshardExecutable(
+        fun_name=getattr(fun, "__name__", "step"),
+        plan=plan,
+        session=session,
+        keys=[b["key"] for b in built],
+        needs=[b["needs"] for b in built],
+        out_names=list(meta["out_names"]),
+        out_literals=dict(meta["out_literals"]),
+        out_devices=dict(meta["out_devices"]),
+        arg_devices=dict(meta["arg_devices"]),
+        stage_host=tuple(hosts),
+        in_tree=in_tree,
+        out_tree=jax.tree.structure(out_shape),
+        static_argnums=tuple(i for i, _ in static),
+        planning_time=time.perf_counter() - t0,
+    )

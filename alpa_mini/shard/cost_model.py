@@ -1,0 +1,179 @@
+"""Analytic costs on one logical mesh: roofline compute, alpha-beta collectives, resharding.
+
+Formulas (DESIGN 5.4). For a group of n devices exchanging a per-device buffer of B bytes:
+all-reduce alpha + 2 beta (n-1)/n B; all-gather (B = the gathered result) and reduce-scatter
+(B = the full input) alpha + beta (n-1)/n B; all-to-all alpha + beta (n-1)/n^2 B n/2 =
+alpha + beta (n-1)/(2n) B. A collective over several mesh axes runs as one group of the
+product size and pays the slowest axis's link (the one with the largest alpha and beta).
+
+A cluster with a ``ProfileDB`` (``ClusterSpec.with_profile``) is priced with measured figures
+instead: compute by the per-device throughput measured with as many devices busy as the mesh
+has, and a collective by the alpha-beta fit for its kind and group size where the profile has
+one (the same formulas, so only alpha and beta change).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..cluster.spec import ClusterSpec, LogicalMesh
+from .spec import ShardingSpec
+
+__all__ = ["CostModel"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs in seconds for one (cluster, logical mesh) pair."""
+
+    cluster: ClusterSpec
+    mesh: LogicalMesh
+    _reshard_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ compute
+    def compute(
+        self, flops: float, bytes_accessed: float, dtype: str, parallel: int, primitive: str = ""
+    ) -> float:
+        """Roofline time of work split over ``parallel`` devices (the rest redo it); with a
+        profile, ``primitive``'s class may have its own measured rate."""
+        profile = self.cluster.profile
+        if profile is not None:
+            fit = profile.compute_for(self.mesh.num_devices)
+            peak, bandwidth = fit.rate_for(primitive), fit.memory_bandwidth
+        else:
+            peak = self.cluster.device.flops_for(dtype)
+            bandwidth = self.cluster.device.memory_bandwidth
+        return max(flops / peak, bytes_accessed / bandwidth) / max(parallel, 1)
+
+    def program_overhead(self, kernels: float, launches: int) -> float:
+        """Fixed costs a roofline misses, from the profile: ``launches`` program starts and
+        ``kernels`` kernels' own overhead on this mesh's devices (0 without a profile: the
+        nominal figures have none)."""
+        profile = self.cluster.profile
+        if profile is None:
+            return 0.0
+        fit = profile.compute_for(self.mesh.num_devices)
+        return launches * fit.launch_overhead + kernels * fit.kernel_overhead
+
+    # ------------------------------------------------------------------ collectives
+    def _group(self, axes: Sequence[int], kind: str) -> tuple[int, float, float]:
+        axes = [a for a in axes if self.mesh.shape[a] > 1]
+        if not axes:
+            return 1, 0.0, 0.0
+        n = math.prod(self.mesh.shape[a] for a in axes)
+        profile = self.cluster.profile
+        fit = None if profile is None else profile.collective(kind, n)
+        if fit is not None and not any(self.mesh.crosses_hosts[a] for a in axes):
+            return n, fit.alpha, fit.beta
+        return n, max(self.mesh.alphas[a] for a in axes), max(self.mesh.betas[a] for a in axes)
+
+    def all_reduce(self, nbytes: float, axes: Sequence[int]) -> float:
+        n, alpha, beta = self._group(axes, "all-reduce")
+        return 0.0 if n == 1 else alpha + 2.0 * beta * (n - 1) / n * nbytes
+
+    def all_gather(self, nbytes: float, axes: Sequence[int]) -> float:
+        """``nbytes`` is the gathered (result) buffer per device."""
+        n, alpha, beta = self._group(axes, "all-gather")
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+    @property
+    def native_reduce_scatter(self) -> bool:
+        """XLA's CPU backend has no reduce-scatter: it all-reduces, then slices locally."""
+        return self.cluster.device.name.lower() != "cpu"
+
+    def reduce_scatter(self, nbytes: float, axes: Sequence[int]) -> float:
+        """``nbytes`` is the full (input) buffer per device."""
+        if not self.native_reduce_scatter:
+            return self.all_reduce(nbytes, axes)
+        n, alpha, beta = self._group(axes, "reduce-scatter")
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / n * nbytes
+
+    def all_to_all(self, nbytes: float, axes: Sequence[int]) -> float:
+        n, alpha, beta = self._group(axes, "all-to-all")
+        return 0.0 if n == 1 else alpha + beta * (n - 1) / (2.0 * n) * nbytes
+
+    # ------------------------------------------------------------------ resharding
+    def reshard(
+        self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
+    ) -> float:
+        """Time to turn a tensor laid out as ``src`` into ``dst`` (see ``reshard_steps``)."""
+        return sum(cost for _, _, _, cost in self.reshard_steps(shape, itemsize, src, dst))
+
+    def reshard_table(
+        self,
+        shape: tuple[int, ...],
+        itemsize: int,
+        srcs: Sequence[ShardingSpec],
+        dsts: Sequence[ShardingSpec],
+    ) -> list[list[float]]:
+        """``reshard`` for every (src, dst) pair; the planner's hot loop, so it keeps one
+        small cache per tensor shape instead of building a key per pair."""
+        times = self._reshard_cache.setdefault(("times", tuple(shape), itemsize), {})
+        rows = []
+        for s in srcs:
+            row = []
+            for d in dsts:
+                t = times.get((s, d))
+                if t is None:
+                    t = times[(s, d)] = self.reshard(shape, itemsize, s, d)
+                row.append(t)
+            rows.append(row)
+        return rows
+
+    def reshard_steps(
+        self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
+    ) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:
+        """The collectives ``src -> dst`` needs: (kind, axes, bytes, seconds) per step."""
+        key = (tuple(shape), itemsize, src, dst)
+        steps = self._reshard_cache.get(key)
+        if steps is None:
+            steps = self._reshard_cache[key] = _reshard_steps(self, *key)
+        return steps
+
+
+def _reshard_steps(
+    model: CostModel,
+    shape: tuple[int, ...],
+    itemsize: int,
+    src: ShardingSpec,
+    dst: ShardingSpec,
+) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:
+    """Per mesh axis: kept where both specs split the same dim at the same place; moved by an
+    all-to-all when it splits another dim in ``dst``; gathered when ``dst`` replicates it.
+    Axes only ``dst`` splits are free (each device slices its own part). All-to-alls run
+    first on the source layout, then gathers, each priced at the per-device size it sees."""
+    if src == dst:
+        return ()
+    mesh_shape = model.mesh.shape
+    full = math.prod(shape) * itemsize
+
+    def place(spec: ShardingSpec) -> dict[int, tuple[int, int]]:
+        return {a: (d, i) for d, axes in enumerate(spec.dims) for i, a in enumerate(axes)}
+
+    src_at, dst_at = place(src), place(dst)
+    moved, gathered = [], []
+    for axis, (dim, pos) in src_at.items():
+        target = dst_at.get(axis)
+        if target is None:
+            gathered.append(axis)
+        elif target[0] != dim:
+            moved.append(axis)
+        elif target[1] != pos or src.dims[dim][:pos] != dst.dims[dim][:pos]:
+            # Same dim but a different nesting: the blocks differ, so regather that axis.
+            gathered.append(axis)
+    steps: list[tuple[str, tuple[int, ...], float, float]] = []
+    shards = src.num_shards(mesh_shape)
+    if moved:
+        nbytes = full / shards
+        steps.append(("all-to-all", tuple(moved), nbytes, model.all_to_all(nbytes, moved)))
+    # XLA gathers one tensor dimension at a time: one all-gather per source dim, each seeing
+    # the buffer as large as the gathers before it left it.
+    remaining = shards
+    for dim in sorted({src_at[a][0] for a in gathered}):
+        axes = tuple(a for a in gathered if src_at[a][0] == dim)
+        remaining //= math.prod(mesh_shape[a] for a in axes)
+        nbytes = full / remaining
+        steps.append(("all-gather", axes, nbytes, model.all_gather(nbytes, axes)))
+    return tuple(steps)

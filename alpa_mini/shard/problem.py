@@ -1,0 +1,485 @@
+"""OpGraph + mesh + cost model -> ShardingProblem -> solver -> ShardingPlan.
+
+ILP nodes are, in order: one per graph input (its layout), one per operator (its strategy),
+and one sink per graph output (the layout it is returned in). Edges price resharding from a
+producer's result layout to each consumer's operand layout; aliases tie an updated state
+output to its input so a step can be called again without moving anything. Memory: each
+node's results live from the node to their last reader; inputs the caller keeps live
+throughout (donated ones until their last reader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import MemoryBudgetError
+from ..graph.op_graph import OpGraph
+from ..solvers import (
+    InfeasibleError,
+    ShardingProblem,
+    ShardingSolution,
+    SolverTimeLimitError,
+    solve_sharding,
+)
+from ..solvers.sharding.problem import FORBIDDEN_COST
+from .cost_model import CostModel
+from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
+from .spec import ShardingSpec
+from .strategies import (
+    Strategy,
+    input_strategies,
+    loop_nest,
+    node_strategies,
+    symmetric_axis_pairs,
+)
+
+__all__ = ["ShardingInstance", "build_sharding_problem", "plan_sharding"]
+
+log = logging.getLogger("alpa_mini.shard.problem")
+_warned: set[str] = set()
+
+SpecFilter = Callable[[ShardingSpec], bool]
+
+#: Cores with at least this many strategies get a local-search incumbent before the MIP.
+HEURISTIC_MIN_CORE_STRATEGIES = 8000
+#: The whole MIP is tried below this many columns (solvers' default is tuned for IOPDDL).
+FULL_MIP_MAX_COLUMNS = 3_000_000
+#: Alternatives a plan keeps per choice besides the chosen and the replicated strategy: enough
+#: to explain a choice while a plan of an unrolled 11k-node graph stays small.
+MAX_ALTERNATIVES = 6
+
+
+
+@dataclass(frozen=True, eq=False)
+class ShardingInstance:
+    """A built problem and the strategy behind each of its choices."""
+
+    problem: ShardingProblem
+    strategies: tuple[tuple[Strategy, ...], ...]  # per ILP node
+    num_inputs: int
+    num_ops: int
+    edge_info: tuple[tuple[int, int, int, int, float], ...]  # (u, v, operand, tensor, weight)
+    sinks: tuple[int, ...]  # per graph output: the ILP node whose layout it is returned in
+
+
+def build_sharding_problem(
+    graph: OpGraph,
+    cost: CostModel,
+    *,
+    input_filters: Sequence[SpecFilter | None] | None = None,
+    output_filters: Sequence[SpecFilter | None] | None = None,
+    aliases: Sequence[tuple[int, int]] = (),
+    donated: Sequence[int] = (),
+    memory_budget: float | None = None,
+) -> ShardingInstance:
+    """The ILP instance of ``graph`` on ``cost.mesh``; see the module docstring."""
+    mesh_shape = cost.mesh.shape
+    n_in, n_ops, n_out = len(graph.inputs), len(graph.nodes), len(graph.outputs)
+    input_filters = list(input_filters or [None] * n_in)
+    output_filters = list(output_filters or [None] * n_out)
+    alias_of_output = {o: i for i, o in aliases}
+    strategies: list[tuple[Strategy, ...]] = []
+    # A batch arrives from the host every step: each device receives its own part, priced at
+    # the intra-host link (the host-to-device path). State stays on the devices across steps.
+    load = 1.0 / cost.cluster.intra_host.bandwidth
+    twins = symmetric_axis_pairs(cost)
+    for i, t in enumerate(graph.inputs):
+        tensor = graph.tensors[t]
+        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i], twins)
+        if tensor.role == "batch":
+            layouts = [dataclasses.replace(s, compute=s.memory * load) for s in layouts]
+        strategies.append(tuple(layouts))
+        if not strategies[-1]:
+            rule = {
+                "batch": "the batch's leading dim split over every mesh axis",
+                "param": "parameters split over every mesh axis",
+                "state": "state split over every mesh axis",
+            }.get(tensor.role, "its role's layout")
+            raise ValueError(
+                f"input {tensor.name} ({tensor.role}): shape {tensor.shape} has no layout on "
+                f"mesh {mesh_shape} that satisfies the method ({rule}); split dims must divide "
+                "evenly by the mesh axes they use"
+            )
+    for node in graph.nodes:
+        if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
+            _warned.add(node.primitive)
+            log.warning(
+                "alpa_mini has no sharding rule for primitive %r; it runs replicated",
+                node.primitive,
+            )
+        strategies.append(tuple(node_strategies(node, graph, cost)))
+    for k, t in enumerate(graph.outputs):
+        tensor = graph.tensors[t]
+        filt = output_filters[k]
+        if k in alias_of_output:
+            # An updated state output is returned in its input's layout: its edge goes to the
+            # input's node (below), and this sink is a placeholder with one choice. (A
+            # separate sink tied by an alias constraint is equivalent but makes a long cycle
+            # that weakens the LP relaxation; HiGHS was 5-10x slower with it.)
+            spec = ShardingSpec.replicated(len(tensor.shape))
+            strategies.append((Strategy("alias", (), (spec,), 0.0, 0.0, 0.0),))
+            continue
+        outs = input_strategies(tensor.shape, 0, mesh_shape, filt, twins)
+        strategies.append(tuple(outs) or (input_strategies(tensor.shape, 0, mesh_shape)[0],))
+
+    # ---------------------------------------------------------------- memory intervals
+    end_time = n_ops + 2
+    producer_ilp: dict[int, tuple[int, int]] = {}  # tensor -> (ILP node, result index)
+    for i, t in enumerate(graph.inputs):
+        producer_ilp.setdefault(t, (i, 0))
+    for node in graph.nodes:
+        for k, t in enumerate(node.outputs):
+            producer_ilp[t] = (n_in + node.id, k)
+    last_use: dict[int, int] = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t is not None:
+                last_use[t] = max(last_use.get(t, 0), node.id + 1)
+    for t in graph.outputs:
+        last_use[t] = end_time
+    donated_set = set(donated)
+    intervals = []
+    for i, t in enumerate(graph.inputs):
+        end = last_use.get(t, 1) + 1 if i in donated_set else end_time
+        intervals.append((0, end))
+    for node in graph.nodes:
+        start = node.id + 1
+        end = max([last_use.get(t, start) + 1 for t in node.outputs] + [start + 1])
+        intervals.append((start, end))
+    intervals += [(end_time, end_time)] * n_out
+
+    # ---------------------------------------------------------------- edges
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    edge_info = []
+
+    def add_edge(u: int, v: int, matrix: np.ndarray) -> None:
+        if u == v or not np.any(matrix):
+            if u != v:
+                edges.setdefault((u, v), np.zeros_like(matrix))
+            return
+        if (u, v) in edges:
+            edges[(u, v)] = edges[(u, v)] + matrix
+        elif (v, u) in edges:
+            edges[(v, u)] = edges[(v, u)] + matrix.T
+        else:
+            edges[(u, v)] = matrix
+
+    def reshard_matrix(
+        t: int, src: Sequence[ShardingSpec], dst: Sequence[ShardingSpec | None], weight: float
+    ) -> np.ndarray:
+        tensor = graph.tensors[t]
+        src_u = list(dict.fromkeys(src))
+        dst_u = list(dict.fromkeys(d for d in dst if d is not None))
+        table = np.zeros((len(src_u), len(dst_u) + 1))
+        if dst_u:
+            table[:, :-1] = cost.reshard_table(tensor.shape, tensor.itemsize, src_u, dst_u)
+        src_at = {spec: i for i, spec in enumerate(src_u)}
+        dst_at = {spec: i for i, spec in enumerate(dst_u)}
+        si = np.array([src_at[s] for s in src])
+        di = np.array([len(dst_u) if d is None else dst_at[d] for d in dst])
+        return table[np.ix_(si, di)] * weight
+
+    for node in graph.nodes:
+        v = n_in + node.id
+        for k, t in enumerate(node.inputs):
+            if t is None or t not in producer_ilp or graph.tensors[t].role == "const":
+                continue
+            u, idx = producer_ilp[t]
+            w = node.weight(k)
+            src = [s.out_specs[idx] for s in strategies[u]]
+            dst = [s.in_specs[k] for s in strategies[v]]
+            add_edge(u, v, reshard_matrix(t, src, dst, w))
+            edge_info.append((u, v, k, t, w))
+    for k, t in enumerate(graph.outputs):
+        if graph.tensors[t].role == "const" or t not in producer_ilp:
+            continue
+        u, idx = producer_ilp[t]
+        v = alias_of_output.get(k, n_in + n_ops + k)
+        src = [s.out_specs[idx] for s in strategies[u]]
+        dst = [s.out_specs[0] for s in strategies[v]]
+        add_edge(u, v, reshard_matrix(t, src, dst, 1.0))
+        edge_info.append((u, v, 0, t, 1.0))
+
+    names = [graph.tensors[t].name for t in graph.inputs]
+    names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
+    names += [f"out{k}" for k in range(n_out)]
+    problem = ShardingProblem.from_lists(
+        costs=[[s.compute + s.comm for s in strats] for strats in strategies],
+        usages=[[s.memory for s in strats] for strats in strategies],
+        intervals=intervals,
+        edges=list(edges.keys()),
+        edge_costs=[m.ravel() for m in edges.values()],
+        usage_limit=memory_budget,
+        name="alpa_mini",
+        node_names=names,
+        strategy_names=[[s.name for s in strats] for strats in strategies],
+    )
+    sinks = tuple(alias_of_output.get(k, n_in + n_ops + k) for k in range(n_out))
+    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info), sinks)
+
+
+def plan_sharding(
+    graph: OpGraph,
+    cost: CostModel,
+    axis_names: Sequence[str],
+    *,
+    input_filters: Sequence[SpecFilter | None] | None = None,
+    output_filters: Sequence[SpecFilter | None] | None = None,
+    aliases: Sequence[tuple[int, int]] = (),
+    donated: Sequence[int] = (),
+    memory_budget: float | None = None,
+    backend: str = "auto",
+    time_limit: float | None = 60.0,
+) -> ShardingPlan:
+    """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits."""
+    t0 = time.perf_counter()
+    inst = build_sharding_problem(
+        graph,
+        cost,
+        input_filters=input_filters,
+        output_filters=output_filters,
+        aliases=aliases,
+        donated=donated,
+        memory_budget=memory_budget,
+    )
+    build_time = time.perf_counter() - t0
+    try:
+        # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a
+        # short local-search incumbent only pays on big cores (3-D meshes), where HiGHS can
+        # otherwise run out of time before its first feasible point.
+        sol = solve_sharding(
+            inst.problem,
+            backend=backend,
+            time_limit=time_limit,
+            heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
+            heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
+            # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past
+            # the contest-tuned column cap, where region-by-region search runs to the limit.
+            full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
+            # Planner MIPs nearly always have integral LP relaxations: settle them by LP.
+            lp_first=True,
+        )
+    except SolverTimeLimitError as err:
+        raise MemoryBudgetError(
+            f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
+            f"{time_limit} s ({err}); raise ShardParallel(time_limit=...) or pick a smaller mesh",
+            None,
+            timed_out=True,
+        ) from None
+    except InfeasibleError as err:
+        min_peak = err.details.get("min_peak")
+        need = "unknown" if min_peak is None else f"{min_peak / 2**20:.2f} MiB"
+        raise MemoryBudgetError(
+            f"memory_budget: {memory_budget / 2**20:.2f} MiB per device is too small for this "
+            f"program on mesh {cost.mesh.shape}; the smallest peak found is {need} per device "
+            "(raise the budget, use more devices, or a larger mesh)",
+            min_peak,
+        ) from None
+    return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+
+
+def read_plan(
+    graph: OpGraph,
+    cost: CostModel,
+    axis_names: Sequence[str],
+    inst: ShardingInstance,
+    sol: ShardingSolution,
+    memory_budget: float | None,
+    build_time: float,
+) -> ShardingPlan:
+    """Turn a solver choice into a ``ShardingPlan``."""
+    chosen = [inst.strategies[v][c] for v, c in enumerate(sol.choice)]
+    n_in, n_ops = inst.num_inputs, inst.num_ops
+    specs: list[ShardingSpec | None] = [None] * len(graph.tensors)
+    for i, t in enumerate(graph.inputs):
+        specs[t] = chosen[i].out_specs[0]
+    for node in graph.nodes:
+        for k, t in enumerate(node.outputs):
+            specs[t] = chosen[n_in + node.id].out_specs[k]
+    alternatives = _alternatives(inst, sol, memory_budget, axis_names)
+    producer: dict[int, int] = {t: n.id for n in graph.nodes for t in n.outputs}
+    input_alts: dict[int, tuple[Alternative, ...]] = {}
+    for i, t in enumerate(graph.inputs):
+        input_alts.setdefault(t, alternatives[i])
+    tensors = tuple(
+        TensorPlan(
+            t.name,
+            t.shape,
+            t.dtype,
+            t.role,
+            None if t.role == "const" else specs[t.id],
+            producer.get(t.id),
+            input_alts.get(t.id, ()),
+        )
+        for t in graph.tensors
+    )
+    nodes = tuple(
+        NodePlan(
+            n.primitive,
+            chosen[n_in + n.id].name,
+            chosen[n_in + n.id].in_specs,
+            chosen[n_in + n.id].compute,
+            chosen[n_in + n.id].comm,
+            n.source,
+            len(inst.strategies[n_in + n.id]),
+            alternatives[n_in + n.id],
+        )
+        for n in graph.nodes
+    )
+    collectives: list[PlannedCollective] = []
+    for node in graph.nodes:
+        for c in chosen[n_in + node.id].collectives:
+            collectives.append(
+                PlannedCollective(
+                    c.kind, c.axes, c.nbytes, c.seconds * node.multiplier, "op", node.id
+                )
+            )
+    reshard_time = 0.0
+    seen: set[tuple[int, ShardingSpec, ShardingSpec]] = set()
+    for u, v, k, t, w in inst.edge_info:
+        src = chosen[u].out_specs[_result_index(graph, inst, u, t)]
+        dst = chosen[v].in_specs[k] if n_in <= v < n_in + n_ops else chosen[v].out_specs[0]
+        if dst is None:
+            continue
+        tensor = graph.tensors[t]
+        if (t, src, dst) in seen:
+            continue  # XLA computes one resharded copy per (tensor, layout) for all readers
+        seen.add((t, src, dst))
+        for kind, axes, nbytes, seconds in cost.reshard_steps(
+            tensor.shape, tensor.itemsize, src, dst
+        ):
+            node_id = v - n_in if n_in <= v < n_in + n_ops else -1
+            collectives.append(
+                PlannedCollective(kind, axes, nbytes, seconds * w, "reshard", node_id, t)
+            )
+            reshard_time += seconds * w
+    compute = sum(s.compute for s in chosen)
+    comm = sum(s.comm for s in chosen)
+    core = (sol.reduction.get("nodes") or (None, None))[1]
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "solve_time": sol.solve_time,
+        "build_time": build_time,
+        "backend": sol.backend,
+        "nodes": inst.problem.num_nodes,
+        "edges": inst.problem.num_edges,
+        "core_nodes": core,
+    }
+    output_specs = tuple(chosen[v].out_specs[0] for v in inst.sinks)
+    return ShardingPlan(
+        mesh_shape=tuple(cost.mesh.shape),
+        axis_names=tuple(axis_names),
+        tensors=tensors,
+        nodes=nodes,
+        inputs=tuple(graph.inputs),
+        outputs=tuple(graph.outputs),
+        output_specs=output_specs,
+        collectives=tuple(collectives),
+        compute_time=compute,
+        comm_time=comm,
+        reshard_time=reshard_time,
+        peak_memory=sol.peak_usage,
+        memory_budget=memory_budget,
+        solver=solver,
+    )
+
+
+def _alternatives(
+    inst: ShardingInstance,
+    sol: ShardingSolution,
+    memory_budget: float | None,
+    axis_names: Sequence[str],
+) -> list[tuple[Alternative, ...]]:
+    """Per input and operator ILP node: its chosen strategy, the ``MAX_ALTERNATIVES`` cheapest
+    others and the replicated one, priced with every other node at its chosen strategy.
+    Input layouts are named by their spec with mesh axis names (``S(x)R``), as plans show them.
+
+    Vectorised over edges: edge (u, v) with matrix M adds M[:, c_v] to u's strategies and
+    M[c_u, :] to v's, so each strategy's ``reshard`` is its edges' cost against the chosen
+    neighbours. Only the kept strategies become Python objects.
+    """
+    prob = inst.problem
+    k, off = prob.num_strategies, prob.node_offsets
+    choice = np.asarray(sol.choice, dtype=np.int64)
+    size = int(off[-1])
+    reshard = np.zeros(size)
+    if prob.num_edges:
+        eu, ev = prob.edges[:, 0], prob.edges[:, 1]
+        start = prob.edge_offsets[:-1]
+        ku, kv = k[eu], k[ev]
+        # u's side: entries start + i * k_v + c_v for i < k_u, added to u's strategy i.
+        e, i = _expand(ku)
+        flat = start[e] + i * kv[e] + choice[ev[e]]
+        reshard += np.bincount(off[eu[e]] + i, weights=prob.edge_costs[flat], minlength=size)
+        # v's side: entries start + c_u * k_v + j for j < k_v, added to v's strategy j.
+        e, j = _expand(kv)
+        flat = start[e] + choice[eu[e]] * kv[e] + j
+        reshard += np.bincount(off[ev[e]] + j, weights=prob.edge_costs[flat], minlength=size)
+    totals = prob.node_costs + reshard
+    allowed = (prob.node_costs < FORBIDDEN_COST) & np.isfinite(totals)
+    owner = np.repeat(np.arange(len(k)), k)
+    others = np.ones(size, dtype=np.int8)
+    others[off[:-1] + choice] = 0
+    # By node, then by total; among equal totals the chosen one first, then strategy index.
+    order = np.lexsort((others, totals, owner))
+    rank = np.empty(size, dtype=np.int64)
+    rank[order] = np.arange(size) - off[owner[order]]
+    peak = sol.peak_usage
+    out: list[tuple[Alternative, ...]] = []
+    for v in range(inst.num_inputs + inst.num_ops):
+        strats = inst.strategies[v]
+        base = int(off[v])
+        c = int(choice[v])
+        chosen_memory = strats[c].memory
+        # The cheapest allowed strategies come first in ``order``; one more than kept covers
+        # the chosen one being among them.
+        seg = order[base : base + min(len(strats), MAX_ALTERNATIVES + 1)] - base
+        keep = [int(i) for i in seg if allowed[base + i] and i != c][:MAX_ALTERNATIVES]
+        keep.append(c)
+        r = _replicated_index(strats)
+        if r is not None and r not in keep and allowed[base + r]:
+            keep.append(r)
+        keep.sort(key=lambda i: rank[base + i])
+        alts = []
+        for i in keep:
+            s = strats[i]
+            fits = memory_budget is None or peak - chosen_memory + s.memory <= memory_budget
+            name = s.out_specs[0].label(axis_names) if v < inst.num_inputs else s.name
+            alts.append(
+                Alternative(name, s.compute, s.comm, float(reshard[base + i]), s.memory, fits)
+            )
+        out.append(tuple(alts))
+    return out
+
+
+def _expand(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each position of the concatenated ``arange(sizes[e])``: (e, index within it)."""
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.cumsum(sizes) - sizes
+    return owner, np.arange(int(sizes.sum())) - starts[owner]
+
+
+def _replicated_index(strats: Sequence[Strategy]) -> int | None:
+    """The strategy that splits nothing (operators enumerate it first), or None."""
+
+    def unsplit(s: Strategy) -> bool:
+        specs = (*s.in_specs, *s.out_specs)
+        return all(spec is None or not spec.used_axes for spec in specs)
+
+    if strats and unsplit(strats[0]):
+        return 0
+    return next((i for i, s in enumerate(strats) if unsplit(s)), None)
+
+
+def _result_index(graph: OpGraph, inst: ShardingInstance, u: int, t: int) -> int:
+    if u < inst.num_inputs:
+        return 0
+    return graph.nodes[u - inst.num_inputs].outputs.index(t)
