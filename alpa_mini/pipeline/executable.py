@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
@@ -25,6 +24,7 @@ from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, gr
 from .plan import PipeshardPlan, StagePlan
 from .schedules import make_schedule
 from .stage_search import plan_pipeline
+from .stage_slice import slice_stage
 
 __all__ = ["PipeshardExecutable", "compile_pipeshard", "plan_pipeshard"]
 
@@ -218,18 +218,6 @@ def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> Pipe
     return _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
 
 
-def _boundary_bytes(forward: Any, eqn_start: int, eqn_end: int) -> float:
-    """Bytes of the values equations [eqn_start, eqn_end) define that later equations (or
-    the forward's results) read: what the stage sends on, per micro-batch."""
-    jaxpr = forward.jaxpr
-    defined = {v for e in jaxpr.eqns[eqn_start:eqn_end] for v in e.outvars}
-    read = [v for e in jaxpr.eqns[eqn_end:] for v in e.invars]
-    if eqn_end < len(jaxpr.eqns):  # the last stage's results are the loss, not a send
-        read += jaxpr.outvars
-    later = {v for v in read if not isinstance(v, Literal) and v in defined}
-    return float(sum(_nbytes(v.aval) for v in later))
-
-
 def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):
     return PipeshardPlan(
         stages=tuple(
@@ -246,7 +234,7 @@ def _make_plan(decisions, starts, forward, method, cluster, problem, solution, s
                 d.cost.in_specs,
                 d.cost.out_specs,
                 d.cost.inner_specs,
-                _boundary_bytes(forward, d.eqn_start, d.eqn_end),
+                slice_stage(forward.jaxpr, d.eqn_start, d.eqn_end).boundary_bytes,
                 d.cost.residual_bytes,
             )
             for d in decisions

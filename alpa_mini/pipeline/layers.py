@@ -3,15 +3,13 @@
 The forward loss is first flattened (``jit``/``closed_call`` bodies inlined, so markers and
 clustering see individual equations). Layers are contiguous equation ranges: cut at
 ``mark_pipeline_boundary()`` markers, or chosen by ``solvers.layer_clustering`` (balanced
-flops, fewest bytes crossing a cut). A stage is a contiguous range of layers; its slice
-records which variables it reads from outside and which it must hand on.
+flops, fewest bytes crossing a cut). A stage is a contiguous range of layers (``stage_slice``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,13 +22,11 @@ from ..shard.lower import _equation_context
 from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
 
 __all__ = [
-    "StageSlice",
     "cluster_layer_starts",
     "eval_eqns",
     "flatten_calls",
     "layer_hash",
     "marker_layer_starts",
-    "slice_stage",
 ]
 
 _FLATTENED = {
@@ -132,55 +128,6 @@ def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tup
     )
     result = cluster_layers(flops, cuts, num_layers, eps)
     return tuple(int(s) for s in result.layer_starts)
-
-
-@dataclass(frozen=True, eq=False)
-class StageSlice:
-    """Equations ``[start, end)`` of the flat forward and the variables crossing its edges.
-
-    ``invars``: read here, defined outside (loss inputs, constants, earlier slices);
-    ``outvars``: defined here and read later (by a later slice or as a loss output).
-    """
-
-    start: int
-    end: int
-    eqns: tuple[Any, ...]
-    invars: tuple[Any, ...]
-    outvars: tuple[Any, ...]
-
-
-def slice_stage(jaxpr: Jaxpr, start: int, end: int) -> StageSlice:
-    """The slice of equations ``[start, end)``; the last slice also hands on the loss outputs
-    that no equation of it defines."""
-    eqns = tuple(jaxpr.eqns[start:end])
-    defined: set[Any] = set()
-    reads: list[Any] = []
-    seen: set[Any] = set()
-    for eqn in eqns:
-        for v in eqn.invars:
-            if isinstance(v, Literal) or v in defined or v in seen:
-                continue
-            seen.add(v)
-            reads.append(v)
-        defined.update(eqn.outvars)
-    later: set[Any] = set()
-    for eqn in jaxpr.eqns[end:]:
-        later.update(v for v in eqn.invars if not isinstance(v, Literal))
-    final = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
-    later.update(final)
-    outs = [v for eqn in eqns for v in eqn.outvars if v in later and not _is_drop(v)]
-    if end == len(jaxpr.eqns):  # loss outputs defined before this slice pass through it
-        for v in final:
-            if v not in defined and v not in outs:
-                if v not in seen:
-                    seen.add(v)
-                    reads.append(v)
-                outs.append(v)
-    return StageSlice(start, end, eqns, tuple(reads), tuple(dict.fromkeys(outs)))
-
-
-def _is_drop(v: Any) -> bool:
-    return type(v).__name__ == "DropVar"
 
 
 def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:

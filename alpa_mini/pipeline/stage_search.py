@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
@@ -47,8 +46,8 @@ from .layers import (
     eval_eqns,
     layer_hash,
     marker_layer_starts,
-    slice_stage,
 )
+from .stage_slice import is_float, slice_stage
 
 __all__ = ["StageCost", "StageDecision", "assign_devices", "layer_starts", "plan_pipeline"]
 
@@ -188,17 +187,9 @@ class _StageModel:
         hit = self._slices.get((start, end))
         if hit is not None:
             return hit
-        sl = slice_stage(self.forward.jaxpr, start, end)
-        diff_in, nondiff_in = [], []
-        for v in sl.invars:
-            if v in self.consts:
-                continue
-            j = self.loss_in.get(v)
-            is_diff = self.capture.diff[j] if j is not None else _is_float(v.aval)
-            (diff_in if is_diff else nondiff_in).append(v)
-        aux = set(self.forward.jaxpr.outvars[1:])
-        diff_out = [v for v in sl.outvars if _is_float(v.aval) and v not in aux]
-        nondiff_out = [v for v in sl.outvars if v not in set(diff_out)]
+        sl = slice_stage(self.forward.jaxpr, start, end, self.capture.diff)
+        diff_in, nondiff_in = list(sl.diff_in), list(sl.nondiff_in)
+        diff_out, nondiff_out = list(sl.diff_out), list(sl.nondiff_out)
         # Equal equations are not enough: whether each input is a parameter, a batch input or
         # an activation, and which values need cotangents, change the forward + backward.
         diff = set(diff_in) | set(diff_out)
@@ -505,9 +496,6 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
 
 def _nbytes(aval: Any) -> float:
     return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
@@ -745,7 +733,7 @@ def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _La
             src, dst = ca.out_specs[o], cb.in_specs[k]
             shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
             t = cm.reshard(shape, size, src, dst)
-            if _is_float(v.aval):  # its cotangent travels back the other way
+            if is_float(v.aval):  # its cotangent travels back the other way
                 t += cm.reshard(shape, size, dst, src)
             if t > 0:
                 into[b].append((a, t))

@@ -32,8 +32,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ...graph.grad_capture import GRAD_NAME, GradCapture
 from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from ...shard.spec import ShardingSpec
-from ..layers import StageSlice, eval_eqns, slice_stage
+from ..layers import eval_eqns
 from ..schedules import Schedule
+from ..stage_slice import StageSlice, slice_stage
 
 __all__ = ["CompiledPipeline", "StageLowering", "compile_pipeline", "grad_equation"]
 
@@ -72,9 +73,6 @@ def grad_equation(step: Jaxpr) -> int:
         )
     return found[0]
 
-
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 @dataclass
@@ -145,7 +143,7 @@ def compile_pipeline(
     for s, lo in enumerate(stages):
         devs = np.array(lo.devices).reshape(lo.logical_shape)
         mesh = Mesh(devs, lo.axis_names)
-        sl = slice_stage(fj, lo.start, lo.end)
+        sl = slice_stage(fj, lo.start, lo.end, capture.diff)
         st = _Stage(s, sl, mesh)
         for e, o, spec in lo.inner_specs:
             if not lo.start <= e < lo.end:
@@ -155,13 +153,8 @@ def compile_pipeline(
                 )
             ps = spec.to_partition_spec(lo.axis_names)
             st.pinned.setdefault(e - lo.start, []).append((o, NamedSharding(mesh, ps)))
-        for v in sl.invars:
-            if v in consts:
-                continue
-            if v in loss_in:
-                (st.diff_in if capture.diff[loss_in[v]] else st.nondiff_in).append(v)
-            else:
-                (st.diff_in if _is_float(v.aval) else st.nondiff_in).append(v)
+        st.diff_in, st.nondiff_in = list(sl.diff_in), list(sl.nondiff_in)
+        st.diff_out, st.nondiff_out = list(sl.diff_out), list(sl.nondiff_out)
         sts.append(st)
         for v in sl.outvars:
             producer.setdefault(v, s)
@@ -170,15 +163,6 @@ def compile_pipeline(
         for v in st.diff_in + st.nondiff_in:
             if v not in loss_in:
                 consumers.setdefault(v, []).append(st.index)
-    for st in sts:
-        for v in st.sl.outvars:
-            if producer[v] != st.index:
-                continue
-            diff_consumed = any(v in sts[c].diff_in for c in consumers.get(v, ()))
-            if _is_float(v.aval) and (diff_consumed or v is value_var):
-                st.diff_out.append(v)
-            else:
-                st.nondiff_out.append(v)
     for v in [value_var, *aux_vars]:
         if not isinstance(v, Literal) and v not in producer:
             raise ValueError("PipeshardParallel: the loss returns one of its inputs unchanged")
