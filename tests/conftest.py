@@ -22,7 +22,8 @@ else:
 
 
 import pytest  # noqa: E402
-from ray_heads import ray_head  # noqa: E402, F401  (a fixture for the Ray tests)
+
+from helpers.ray_heads import ray_head  # noqa: E402, F401  (a fixture for the Ray tests)
 
 
 @pytest.fixture

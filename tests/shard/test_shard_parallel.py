@@ -8,38 +8,12 @@ the ILP's choice, its predicted communication and the collectives XLA really emi
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import alpa_mini
-from alpa_mini import ClusterSpec, MemoryBudgetError, ShardParallel
-
-CPU = ClusterSpec.named("cpu-1x8")
-ALPHA, BETA = CPU.intra_host.alpha, CPU.intra_host.beta
-
-
-def all_reduce(nbytes: float, n: int) -> float:
-    return ALPHA + 2 * BETA * (n - 1) / n * nbytes
-
-
-def mlp_loss(p, x, y):
-    h = jax.nn.relu(x @ p["w1"])
-    return jnp.mean((h @ p["w2"] - y) ** 2)
-
-
-def sgd_step(p, x, y):
-    loss, g = jax.value_and_grad(mlp_loss)(p, x, y)
-    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
-
-
-def mlp_inputs(batch: int, hidden: int):
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    p = {
-        "w1": jax.random.normal(k[0], (hidden, hidden)) / np.sqrt(hidden),
-        "w2": jax.random.normal(k[1], (hidden, hidden)) / np.sqrt(hidden),
-    }
-    return p, jax.random.normal(k[2], (batch, hidden)), jax.random.normal(k[3], (batch, hidden))
+from alpa_mini import MemoryBudgetError, ShardParallel
+from helpers.mlp import all_reduce, mlp_forward, mlp_inputs, sgd_step
 
 
 def specs(ex) -> dict[str, tuple]:
@@ -101,10 +75,6 @@ def test_two_d_mesh_data_parallel_closed_form(devices8) -> None:
     groups = {c.group_size for c in parse_collectives(ex.get_hlo_text())}
     assert groups == {8}
     assert_matches_serial(step, jax.jit(sgd_step), args)
-
-
-def mlp_forward(p, x):
-    return jax.nn.relu(x @ p["w1"]) @ p["w2"]
 
 
 def test_megatron_forward_closed_form_when_parameters_cannot_be_replicated(devices4) -> None:

@@ -15,7 +15,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_shard_parallel import all_reduce, mlp_forward, mlp_inputs, sgd_step
 
 import alpa_mini
 from alpa_mini import ClusterSpec, ShardParallel
@@ -29,6 +28,7 @@ from alpa_mini.shard.problem import (
     read_plan,
 )
 from alpa_mini.solvers import solve_sharding
+from helpers.mlp import all_reduce, mlp_forward, mlp_inputs, sgd_step
 
 CPU = ClusterSpec.named("cpu-1x8")
 ALPHA, BETA = CPU.intra_host.alpha, CPU.intra_host.beta

@@ -17,7 +17,7 @@ from alpa_mini.models.moe import MoELMConfig
 from alpa_mini.models.specs import ModelSpec, available_models
 from alpa_mini.models.wide_resnet import WideResNetConfig
 
-MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 SHIPPED = sorted(p.stem for p in MODELS.glob("*.yaml"))
 ALPA_GPT_SUITE = {
     # name: (hidden, num_layers, num_heads) of Alpa's gpt_specs, plus GPT-3 175B

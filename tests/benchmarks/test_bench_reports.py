@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from alpa_mini.cli.main import main as cli_main
 from benchmarks.calibration import error_summary
@@ -160,15 +160,15 @@ def test_benchmark_children_report_progress_results_and_failures(capsys):
     names the child and its own stderr when it fails, runs past its timeout or is killed."""
     from benchmarks._report import run_child
 
-    assert run_child("tests.bench_child_probe", ["ok"], timeout=120) == {"rows": 2}
+    assert run_child("tests.helpers.bench_child_probe", ["ok"], timeout=120) == {"rows": 2}
     shown = capsys.readouterr().out.splitlines()
     assert shown == ["  row 1 of 2", "  row 2 of 2"]
     with pytest.raises(
         RuntimeError, match=r"(?s)bench_child_probe fail failed \(exit status 3\).*own reason"
     ):
-        run_child("tests.bench_child_probe", ["fail"], timeout=120)
+        run_child("tests.helpers.bench_child_probe", ["fail"], timeout=120)
     with pytest.raises(RuntimeError, match=r"bench_child_probe hang killed after its 2 s timeout"):
-        run_child("tests.bench_child_probe", ["hang"], timeout=2)
+        run_child("tests.helpers.bench_child_probe", ["hang"], timeout=2)
     # A SIGKILL from outside (the out-of-memory killer) is not called a timeout.
     with pytest.raises(RuntimeError, match=r"killed \(SIGKILL, most likely out of memory\)"):
-        run_child("tests.bench_child_probe", ["killed"], timeout=120)
+        run_child("tests.helpers.bench_child_probe", ["killed"], timeout=120)

@@ -21,7 +21,7 @@ from alpa_mini.errors import ConfigError
 from alpa_mini.session import local as device_setup
 from alpa_mini.session.local import current_cluster, init, is_initialized, shutdown
 
-CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 ENV = device_setup.NUM_CPU_DEVICES_ENV
 
 

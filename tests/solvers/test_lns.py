@@ -14,7 +14,7 @@ from alpa_mini.solvers.errors import InfeasibleError
 from alpa_mini.solvers.sharding.lns import improve_by_lns, restrict
 from alpa_mini.solvers.sharding.problem import ShardingProblem, evaluate
 from alpa_mini.solvers.sharding.simplify import simplify
-from strategies import problems
+from helpers.problems import problems
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -16,7 +16,7 @@ import yaml
 from alpa_mini.cluster.spec import ClusterSpec, LogicalMesh, available_clusters
 from alpa_mini.errors import ConfigError
 
-CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 
 @pytest.mark.parametrize("path", sorted(CLUSTERS.glob("*.yaml")), ids=lambda p: p.stem)

@@ -48,7 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from parallel_cases import (
+
+import alpa_mini
+import alpa_mini.models as M
+from helpers.parallel_cases import (
     ADAM_LR,
     BATCH,
     NUM_STEPS,
@@ -61,9 +64,6 @@ from parallel_cases import (
     serial_result,
     train_step,
 )
-
-import alpa_mini
-import alpa_mini.models as M
 
 SGD_RTOL, SGD_ATOL = 1e-5, 1e-7
 LOSS_RTOL, LOSS_ATOL = 1e-6, 1e-7

@@ -21,9 +21,9 @@ from alpa_mini.solvers.sharding.problem import (
 )
 from alpa_mini.solvers.sharding.simplify import simplify
 from alpa_mini.solvers.sharding.solve import ShardingSolution, solve_sharding
-from strategies import FORBID, problems
+from helpers.problems import FORBID, problems
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "iopddl"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "iopddl"
 EXAMPLE = DATA / "example.json"
 
 

@@ -7,11 +7,11 @@ import os
 import time
 
 import pytest
-from ray_heads import alive, gone
 
 import alpa_mini
 from alpa_mini import ConfigError
 from alpa_mini.session.ray import describe_workers, gpu_node_counts
+from helpers.ray_heads import alive, gone
 
 
 @pytest.mark.slow

@@ -262,7 +262,10 @@ def test_a_stage_mesh_spanning_two_hosts_equals_serial_jax_and_the_local_runtime
 
     (tmp_path / "plan.json").write_text(plan.to_json())
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), str(tests.parents[1])]),
+    }
     out = subprocess.run(
         [sys.executable, "-c", _REPLAY, str(tmp_path / "plan.json"), str(tmp_path / "l.npz")],
         capture_output=True, text=True, timeout=600, env=env,
@@ -284,7 +287,8 @@ def test_stage_spanning_hosts_and_dead_workers_are_clear_errors():
             _train(wide, steps=1)
 
         import ray
-        from ray_heads import gone
+
+        from helpers.ray_heads import gone
 
         step, _, _ = _train(METHODS["2 stages, 1F1B"], steps=1)
         session = alpa_mini.session.ray_session()
@@ -306,7 +310,7 @@ def test_ray_job_submit_runs_the_example(ray_head):
     from pathlib import Path
 
     _, dashboard, _ = ray_head
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     ray_cli = str(Path(sys.executable).with_name("ray"))
     out = subprocess.run(
         [ray_cli, "job", "submit", "--address", dashboard, "--working-dir", str(root / "examples"),
@@ -329,7 +333,8 @@ def test_killing_a_worker_mid_step_raises_within_30_s():
     import threading
 
     import ray
-    from ray_heads import gone
+
+    from helpers.ray_heads import gone
 
     big = GPTConfig(vocab_size=256, seq_len=64, hidden=128, num_heads=4, num_layers=4,
                     pipeline_marks=True)  # fmt: skip

@@ -26,7 +26,7 @@ from alpa_mini.solvers.sharding.local_search import (
 from alpa_mini.solvers.sharding.problem import ShardingProblem, evaluate, load_iopddl
 from alpa_mini.solvers.sharding.simplify import CoreProblem, simplify
 
-DATA = Path(__file__).parents[1].parent / "shared/data/iopddl"
+DATA = Path(__file__).resolve().parents[3] / "shared/data/iopddl"
 
 # --------------------------------------------------------------------------- helpers
 
