@@ -1,0 +1,42 @@
+"""``PlanningStats``: where one planning run spent its time and how much ILP work it did.
+
+Both plans carry one (``ShardingPlan.planning``, ``PipeshardPlan.planning``), so benchmarks
+and users read the phases from the plan instead of timing the planner from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["PlanningStats"]
+
+
+@dataclass(frozen=True)
+class PlanningStats:
+    """Seconds per planning phase and ILP counts. ``trace_seconds``: tracing the step to a
+    jaxpr; ``graph_seconds``: jaxpr -> op graphs; ``ilp_seconds``: building and solving the
+    sharding ILPs (summed over threads, so it may exceed the wall time); ``dp_seconds``: the
+    stage DP (0 for ShardParallel); ``total_seconds``: wall time of the whole planning call."""
+
+    trace_seconds: float = 0.0
+    graph_seconds: float = 0.0
+    ilp_seconds: float = 0.0
+    dp_seconds: float = 0.0
+    total_seconds: float = 0.0
+    ilps_solved: int = 0
+    cost_entries: int = 0
+    cache_hits: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> PlanningStats | None:
+        """Read a saved record; unknown keys are ignored (older plans stored other fields)."""
+        if data is None:
+            return None
+        if not isinstance(data, dict):
+            raise ValueError(f"planning: expected a mapping or null, got {data!r}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
