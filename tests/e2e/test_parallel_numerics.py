@@ -75,9 +75,10 @@ MESHES = ((8,), (2, 4), (2, 2, 2))
 # One Adam case per model; the transformer-like ones on the 1-D mesh, where planning their
 # larger (optimiser-state) graphs takes ~1 s instead of ~5-10 s on (2, 4).
 ADAM_MESH = {"mlp": (2, 4), "gpt": (8,), "gpt_scan": (8,), "moe": (8,), "wide_resnet": (2, 4)}
-# Planning a 3-D mesh costs the most (3^k strategies per k-dim operator): 5-10 s each for the
-# transformer-like graphs. Marked slow, still run by default (the file takes ~2 min).
-SLOW = {("gpt", (2, 2, 2)), ("gpt_scan", (2, 2, 2)), ("moe", (2, 2, 2))}
+# The fast lane (``./scripts/test --fast``) keeps the MLP on every mesh and one 2-D case of
+# the MoE and the Wide-ResNet; the transformer-like graphs take 5-30 s each to plan and run
+# (3-D meshes the most: 3^k strategies per k-dim operator) and are marked slow.
+FAST = {*(("mlp", mesh) for mesh in MESHES), ("moe", (2, 4)), ("wide_resnet", (2, 4))}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,7 +139,7 @@ def _params(model: str, meshes: tuple[tuple[int, ...], ...]) -> list[Any]:
             model,
             mesh,
             id=f"{model}-{'x'.join(map(str, mesh))}",
-            marks=[pytest.mark.slow] if (model, mesh) in SLOW else [],
+            marks=[] if (model, mesh) in FAST else [pytest.mark.slow],
         )
         for mesh in meshes
     ]
@@ -152,7 +153,9 @@ def test_shard_parallel_sgd_matches_serial(model: str, mesh: tuple[int, ...]) ->
     _assert_matches_serial(got, serial_result(model, "sgd"), "sgd", what=model)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(
+    "model", [m if m == "mlp" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+)
 def test_shard_parallel_adam_matches_serial(model: str) -> None:
     mesh = ADAM_MESH[model]
     got, ex = _run_parallel(model, "adam", alpa_mini.ShardParallel(mesh_shape=mesh))
@@ -297,6 +300,7 @@ def _flax_case() -> tuple[Any, Any, Any]:
     return model, variables, batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_name", ["sgd_momentum", "adamw"])
 def test_flax_optax_step_matches_serial(tx_name: str) -> None:
     import optax
@@ -354,7 +358,7 @@ def test_micro_batch_accumulation_equals_full_batch_step() -> None:
 
 
 # ---------------------------------------------------------------- 5. indivisible shapes
-@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+@pytest.mark.parametrize("mesh", [pytest.param((8,), marks=pytest.mark.slow), (2, 4)])
 def test_indivisible_shapes_fall_back_to_replication(mesh: tuple[int, ...]) -> None:
     cfg = M.MLPConfig(in_dim=6, hidden=6, out_dim=3, num_layers=3)  # 6, 3 divide no axis of 8/4
     params = jax.device_get(M.init_mlp(cfg, jax.random.key(0)))

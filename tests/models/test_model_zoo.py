@@ -283,6 +283,7 @@ def test_moe_lm_has_an_moe_ffn_in_every_other_block(tiny_moe: tuple) -> None:
     assert sum(eqn.primitive.name == "top_k" for eqn in jaxpr.jaxpr.eqns) == 2
 
 
+@pytest.mark.slow
 def test_moe_lm_loss_and_grads_are_finite(tiny_moe: tuple) -> None:
     # The suite's settings: fp16 compute, capacity factor 1, groups of two sequences. (fp32
     # losses are exercised below.)
@@ -299,6 +300,7 @@ def test_moe_lm_loss_and_grads_are_finite(tiny_moe: tuple) -> None:
     assert float(jnp.max(jnp.abs(expert_grads))) > 0  # the experts are trained
 
 
+@pytest.mark.slow
 def test_moe_lm_gating_groups_only_matter_through_capacity(tiny_moe: tuple) -> None:
     params, batch = tiny_moe
     loss = jax.jit(moe_lm_loss, static_argnums=2)
@@ -332,6 +334,7 @@ def test_moe_lm_errors_name_the_problem(tiny_moe: tuple) -> None:
 # ----------------------------------------------------------------------------- WRN numerics
 
 
+@pytest.mark.slow
 def test_bottleneck_wresnet_loss_and_grads_are_finite() -> None:
     params = jax.jit(init_wide_resnet, static_argnums=0)(TINY_WRN, jax.random.key(0))
     assert count_params(params) == wide_resnet_num_params(TINY_WRN)

@@ -101,7 +101,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cluster,model,layers,stages,schedule,B", CASES)
+@pytest.mark.parametrize(
+    "cluster,model,layers,stages,schedule,B",
+    # the GPT cases take 20-35 s each on 2 cores: not in the fast lane
+    [pytest.param(*c, marks=pytest.mark.slow) if c[1] != "mlp" else c for c in CASES],
+)
 def test_pipeshard_matches_serial(cluster, model, layers, stages, schedule, B):
     _init(cluster)
     if model == "mlp":
@@ -131,6 +135,7 @@ def test_pipeshard_matches_serial(cluster, model, layers, stages, schedule, B):
         ]
 
 
+@pytest.mark.slow
 def test_plan_json_round_trip_replays_without_planning():
     _init("cpu-2x4")
     loss, params, data = _mlp_case()
@@ -225,6 +230,7 @@ def test_uniform_stages_need_enough_devices():
         step.get_executable(params, opt.init(params), data)
 
 
+@pytest.mark.slow
 def test_cli_plan_from_abstract_shapes(tmp_path):
     from alpa_mini.cli.main import main
 
@@ -269,6 +275,7 @@ def test_profile_times_every_instruction_and_matches_the_plain_step():
     assert runs.count("fwd0") == runs.count("bwd1") == 4  # one per micro-batch
 
 
+@pytest.mark.slow
 def test_individual_stages_pin_the_layer_layouts_inside_a_stage():
     """A multi-layer stage planned from per-layer ILPs keeps each layer's output layout for
     the next layer (sharding constraints inside the stage), and still equals serial JAX."""
@@ -293,6 +300,7 @@ def test_individual_stages_pin_the_layer_layouts_inside_a_stage():
         _run(loss, params, data, PipeshardParallel.from_plan(bad), steps=1)
 
 
+@pytest.mark.slow
 def test_recomputed_blocks_keep_fewer_activations_and_pay_a_forward_pass():
     """With every block under ``jax.checkpoint`` a stage keeps only the blocks' inputs per
     micro-batch in flight and recomputes the rest in its backward: the planner prices both
@@ -371,6 +379,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
     assert plan(None).num_stages >= 1
 
 
+@pytest.mark.slow
 def test_cli_plan_with_wider_logical_shapes_and_memory_lean(tmp_path):
     """`alpa-mini plan --logical-shapes model_parallel_in_host --memory-lean`: the DP's table
     gets one column per (n/k, k) mesh of the (2, 4) submesh plus the ZeRO-3 column."""

@@ -149,7 +149,7 @@ def test_plan_json_round_trip(devices4) -> None:
     assert again == ex.plan
 
 
-@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+@pytest.mark.parametrize("mesh", [(8,), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_gpt_collectives_in_hlo_equal_the_plans_prediction(devices8, mesh) -> None:
     from alpa_mini.models import GPT_TINY, gpt_loss, init_gpt, make_gpt_batch, make_train_step, sgd
 
