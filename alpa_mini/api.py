@@ -1,39 +1,45 @@
 """``@parallelize``: trace a step, plan it with the ILP, lower it, run it; one executable per
-argument signature.
+argument signature. ``plan``: the plan alone, from concrete or abstract arguments.
 
     @alpa_mini.parallelize(method=alpa_mini.ShardParallel())
     def train_step(params, opt_state, batch): ...
 
-``train_step.get_executable(*args)`` returns the ``Executable`` (plan, HLO, collectives).
+``train_step.get_executable(*args)`` returns the ``Executable`` (plan, HLO, collectives);
+``alpa_mini.plan(train_step_fn, *abstract_args, method=..., cluster="dgx-a100")`` plans for
+any cluster without devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .errors import ConfigError, MemoryBudgetError
+from .cluster.spec import ClusterSpec
+from .errors import ConfigError
+from .graph.planning_stats import PlanningStats
 from .graph.tracing import trace_jaxpr
 from .options.pipeshard import PipeshardParallel
 from .options.shard import ShardParallel
 from .session import local as device_setup
-from .shard.cost_model import CostModel
 from .shard.executable import Executable
 from .shard.lower import build_sharded_function
-from .shard.problem import plan_sharding
+from .shard.plan import ShardingPlan
+from .shard.search import plan_shard
 
-__all__ = ["ParallelizedFunction", "parallelize"]
+if TYPE_CHECKING:
+    from .pipeline.plan import PipeshardPlan
 
-AXIS_NAMES = ("x", "y", "z")
+__all__ = ["ParallelizedFunction", "parallelize", "plan"]
 
 
 def parallelize(
@@ -75,6 +81,60 @@ def parallelize(
     return wrap if fun is None else wrap(fun)
 
 
+def plan(
+    fun: Callable[..., Any],
+    *args: Any,
+    method: ShardParallel | PipeshardParallel | None = None,
+    cluster: ClusterSpec | str | os.PathLike[str] | None = None,
+    batch_argnums: Sequence[int] | None = None,
+    donate_argnums: Sequence[int] | str = (),
+    static_argnums: Sequence[int] = (),
+    progress: Callable[[str], None] | None = None,
+) -> ShardingPlan | PipeshardPlan:
+    """Plan ``fun(*args)`` without compiling or allocating: a ``ShardingPlan`` for
+    ShardParallel methods, a ``PipeshardPlan`` for ``PipeshardParallel``.
+
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct`` pytrees. ``cluster``: a
+    ``ClusterSpec``, a bundled cluster name or a cluster YAML path; None plans for the
+    cluster of ``alpa_mini.init``. Planning needs no devices, so any cluster can be planned.
+    The other arguments mean what they mean for ``parallelize``; ``progress`` receives a line
+    per planning step of PipeshardParallel.
+    """
+    step = parallelize(
+        fun,
+        method=method,
+        batch_argnums=batch_argnums,
+        donate_argnums=donate_argnums,
+        static_argnums=static_argnums,
+    )
+    return step.get_plan(*args, cluster=cluster, progress=progress)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments: dynamic ones (flattened, abstract) and static ones by position."""
+
+    dynamic: tuple[Any, ...]
+    static: tuple[tuple[int, Any], ...]
+    in_tree: Any
+    paths: list[str]
+    avals: list[jax.ShapeDtypeStruct]
+    roles: list[str]  # per leaf: param, state or batch
+    owner: list[int]  # per leaf: its argument's index among the dynamic ones
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """A ShardParallel step traced: its jaxpr, output structure and ``OpGraph``."""
+
+    closed: Any
+    out_shape: Any
+    out_tree: Any
+    graph: Any
+    trace_seconds: float
+    graph_seconds: float
+
+
 class ParallelizedFunction:
     """The decorated step: call it like the original function."""
 
@@ -110,18 +170,42 @@ class ParallelizedFunction:
                 "PipeshardParallel(stage_option=UniformStageOption(1, ...)) for one sharded "
                 "stage, or alpa_mini.init(cluster='local', num_cpu_devices=...)"
             )
+        call = self._prepare(args)
+        key = (call.in_tree, tuple((a.shape, a.dtype) for a in call.avals), call.static)
+        key += (cluster.name,)
+        if key not in self._cache:
+            self._cache[key] = self._compile(call, cluster)
+        return self._cache[key]
+
+    def get_plan(
+        self,
+        *args: Any,
+        cluster: ClusterSpec | str | os.PathLike[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> ShardingPlan | PipeshardPlan:
+        """Plan for arguments shaped like ``args`` (arrays or ``jax.ShapeDtypeStruct``s) on
+        ``cluster`` without compiling; see ``alpa_mini.plan``."""
+        t0 = time.perf_counter()
+        spec = _resolve_cluster(cluster)
+        call = self._prepare(args)
+        if isinstance(self.method, PipeshardParallel):
+            from .pipeline.executable import StepFun, plan_pipeshard
+
+            step_fun = StepFun(self.fun, call.static, call.in_tree)
+            return plan_pipeshard(step_fun, call.avals, call.roles, self.method, spec, progress)
+        return self._plan_shard(call, self._trace(call), spec, t0)
+
+    def _prepare(self, args: tuple[Any, ...]) -> _Call:
+        """One call's arguments: static ones split off, the rest flattened and made abstract,
+        each leaf's role (param/state/batch) and owning argument."""
         dynamic, static = self._split_static(args)
         flat, in_tree = jax.tree.flatten(dynamic)
         paths = [
             jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]
         ]
         avals = [_abstract(x, name) for x, name in zip(flat, paths, strict=True)]
-        key = (in_tree, tuple((a.shape, a.dtype) for a in avals), static, cluster.name)
-        if key not in self._cache:
-            self._cache[key] = self._compile(
-                args, dynamic, static, flat, in_tree, paths, avals, cluster
-            )
-        return self._cache[key]
+        roles, owner = self._roles(dynamic)
+        return _Call(dynamic, static, in_tree, paths, avals, roles, owner)
 
     def _split_static(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         for i in self.static_argnums:
@@ -157,34 +241,59 @@ class ParallelizedFunction:
                 owner.append(i)
         return roles, owner
 
-    def _compile(self, args, dynamic, static, flat, in_tree, paths, avals, cluster) -> Executable:
+    def _compile(self, call: _Call, cluster: ClusterSpec) -> Executable:
         t0 = time.perf_counter()
         method = self.method
-        roles, owner = self._roles(dynamic)
         session = device_setup.ray_session()
         if isinstance(method, PipeshardParallel) and session is not None:
             from .pipeline.ray_driver import compile_pipeshard_ray
 
             return compile_pipeshard_ray(
-                self.fun, avals, roles, in_tree, static, method, cluster, session
-            )
+                self.fun, call.avals, call.roles, call.in_tree, call.static, method, cluster,
+                session,
+            )  # fmt: skip
         if isinstance(method, PipeshardParallel):
             from .pipeline.executable import StepFun, compile_pipeshard
 
-            step_fun = StepFun(self.fun, static, in_tree)
+            step_fun = StepFun(self.fun, call.static, call.in_tree)
             return compile_pipeshard(
-                self.fun, step_fun, avals, roles, in_tree, static, method, cluster, method.plan
-            )
+                self.fun, step_fun, call.avals, call.roles, call.in_tree, call.static, method,
+                cluster,
+            )  # fmt: skip
+        traced = self._trace(call)
+        plan = self._plan_shard(call, traced, cluster, t0)
+        devices = jax.devices()[: cluster.num_devices]
+        mesh = Mesh(np.array(devices).reshape(plan.mesh_shape), plan.axis_names)
+        donated = self._donated(call.dynamic, call.owner, call.roles)
+        fn = build_sharded_function(traced.closed, traced.graph, plan, mesh, donate_argnums=donated)
+        return Executable(
+            fun_name=getattr(self.fun, "__name__", "step"),
+            plan=plan,
+            graph=traced.graph,
+            mesh=mesh,
+            jitted=fn,
+            in_tree=call.in_tree,
+            out_tree=traced.out_tree,
+            static_argnums=tuple(i for i, _ in call.static),
+            avals=tuple(call.avals),
+            planning_time=time.perf_counter() - t0,
+            trace_time=traced.trace_seconds,
+            donated=tuple(donated),
+        )
+
+    def _trace(self, call: _Call) -> _Traced:
+        """The step's jaxpr (micro-batched as the method asks) and its ``OpGraph``."""
+        t0 = time.perf_counter()
+        method = self.method
 
         def flat_fun(*leaves: Any) -> list[Any]:
             from .graph.micro_batch import micro_batches
 
             with micro_batches(method.num_micro_batches):
-                out = self._call_with(static, jax.tree.unflatten(in_tree, leaves))
-            return out
+                return self._call_with(call.static, jax.tree.unflatten(call.in_tree, leaves))
 
         try:
-            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*call.avals)
         except TypeError as err:
             if "is not a valid JAX type" in str(err):
                 raise TypeError(
@@ -192,78 +301,33 @@ class ParallelizedFunction:
                     f"arrays ({err}); parallelized functions must return arrays"
                 ) from None
             raise
-        _out_leaves, out_tree = jax.tree.flatten(out_shape)
-        trace_time = time.perf_counter() - t0
-        graph = trace_jaxpr(closed, roles, paths)
+        t1 = time.perf_counter()
+        graph = trace_jaxpr(closed, call.roles, call.paths)
+        out_tree = jax.tree.structure(out_shape)
+        return _Traced(closed, out_shape, out_tree, graph, t1 - t0, time.perf_counter() - t1)
 
-        donated = self._donated(dynamic, owner, roles)
-        aliases = _aliases(dynamic, out_shape, roles, owner)
-        devices = jax.devices()[: cluster.num_devices]
-        num = len(devices)
-        plans, errors = [], []
-        for shape in method.mesh_shapes(num, cluster.devices_per_host):
-            logical = cluster.logical_mesh(shape, _submesh(cluster, num))
-            cost = CostModel(cluster, logical)
-            names = AXIS_NAMES[: len(shape)]
-            filters = [
-                method.input_filter(role, graph.tensors[t].shape, shape)
-                for role, t in zip(roles, graph.inputs, strict=True)
-            ]
-            out_filters = [_replicated_only if method.replicate_outputs else None] * len(
-                graph.outputs
-            )
-            budget = method.memory_budget or cluster.device.memory_bytes
-            try:
-                plan = plan_sharding(
-                    graph,
-                    cost,
-                    names,
-                    input_filters=filters,
-                    output_filters=out_filters,
-                    aliases=aliases,
-                    donated=donated,
-                    memory_budget=budget,
-                    backend=method.backend,
-                    time_limit=method.time_limit,
-                )
-            except MemoryBudgetError as err:
-                errors.append((shape, err))
-                continue
-            except ValueError as err:
-                if method.mesh_shape is not None or method.layout != "auto":
-                    raise ConfigError(str(err)) from None
-                errors.append((shape, err))
-                continue
-            plans.append(plan)
-        if not plans:
-            shape, err = min(errors, key=lambda e: getattr(e[1], "min_budget", None) or math.inf)
-            if isinstance(err, MemoryBudgetError):
-                raise MemoryBudgetError(
-                    f"{err} (tried mesh shapes {[s for s, _ in errors]})", err.min_budget
-                ) from None
-            raise err
-        best = min(plans, key=lambda p: p.predicted_time)
-        searched = tuple((p.mesh_shape, p.predicted_time) for p in plans) + tuple(
-            (s, None) for s, _ in errors
+    def _plan_shard(
+        self, call: _Call, traced: _Traced, cluster: ClusterSpec, t0: float
+    ) -> ShardingPlan:
+        """The mesh search's plan, with where planning spent its time."""
+        t1 = time.perf_counter()
+        plan = plan_shard(
+            traced.graph,
+            cluster,
+            self.method,
+            call.roles,
+            aliases=_aliases(call.dynamic, traced.out_shape, call.roles, call.owner),
+            donated=self._donated(call.dynamic, call.owner, call.roles),
         )
-        if len(searched) > 1:
-            best = dataclasses.replace(best, mesh_search=searched)
-        mesh = Mesh(np.array(devices).reshape(best.mesh_shape), best.axis_names)
-        fn = build_sharded_function(closed, graph, best, mesh, donate_argnums=donated)
-        return Executable(
-            fun_name=getattr(self.fun, "__name__", "step"),
-            plan=best,
-            graph=graph,
-            mesh=mesh,
-            jitted=fn,
-            in_tree=in_tree,
-            out_tree=out_tree,
-            static_argnums=tuple(i for i, _ in static),
-            avals=tuple(avals),
-            planning_time=time.perf_counter() - t0,
-            trace_time=trace_time,
-            donated=tuple(donated),
+        now = time.perf_counter()
+        stats = PlanningStats(
+            trace_seconds=traced.trace_seconds,
+            graph_seconds=traced.graph_seconds,
+            ilp_seconds=now - t1,
+            total_seconds=now - t0,
+            ilps_solved=len(plan.mesh_search) or 1,
         )
+        return dataclasses.replace(plan, planning=stats)
 
     def _donated(self, dynamic, owner: list[int], roles: list[str]) -> list[int]:
         if self.donate_argnums == "auto":
@@ -276,14 +340,22 @@ class ParallelizedFunction:
         return [k for k, o in enumerate(owner) if o in chosen]
 
 
-def _replicated_only(spec) -> bool:
-    return not spec.used_axes
-
-
-def _submesh(cluster, num: int) -> tuple[int, int]:
-    if num >= cluster.devices_per_host:
-        return (num // cluster.devices_per_host, cluster.devices_per_host)
-    return (1, num)
+def _resolve_cluster(cluster: ClusterSpec | str | os.PathLike[str] | None) -> ClusterSpec:
+    """The cluster ``plan`` plans for: given, or the one ``alpa_mini.init`` set up."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if cluster is None:
+        if not device_setup.is_initialized():
+            raise ConfigError(
+                "cluster: None plans for the cluster of alpa_mini.init(), which was not "
+                "called; pass a ClusterSpec, a bundled cluster name or a cluster YAML path"
+            )
+        return device_setup.current_cluster()
+    if isinstance(cluster, str | os.PathLike):
+        return ClusterSpec.load(cluster)
+    raise ConfigError(
+        f"cluster: {cluster!r} is not a ClusterSpec, a bundled cluster name or a YAML path"
+    )
 
 
 def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:

@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import alpa_mini
 from alpa_mini.cluster.spec import ClusterSpec
 from alpa_mini.errors import ConfigError, MemoryBudgetError
 from alpa_mini.options.pipeshard import ManualLayerOption, PipeshardParallel, UniformStageOption
 from alpa_mini.options.shard import ShardParallel
-from alpa_mini.pipeline.executable import plan_pipeshard
 from alpa_mini.pipeline.plan import PipeshardPlan
 from alpa_mini.pipeline.simulate import Simulation, simulate_plan
 
@@ -183,7 +183,7 @@ def run_baseline(
             gradient_sync="ilp",
         )
         try:
-            plan = plan_pipeshard(step, args, method, cluster)
+            plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
         except MemoryBudgetError as err:
             return None, math.inf, math.inf, f"{_label(c)}: {err}"
         sim = simulate_plan(plan, cluster)

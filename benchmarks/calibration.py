@@ -98,10 +98,10 @@ def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
     alpa_mini.init(cluster="cpu-1x8", num_cpu_devices=8)
     import jax
 
+    import alpa_mini
     from alpa_mini.cluster.profile_db import ProfileDB
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from alpa_mini.pipeline.executable import plan_pipeshard
     from alpa_mini.runtime.instructions import Run
 
     nominal = alpa_mini.ClusterSpec.named("cpu-1x8")
@@ -135,7 +135,7 @@ def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
                 layer_option=layers,
                 stage_option=alpa_mini.UniformStageOption(stages, submesh, logical),
             )
-            plan = plan_pipeshard(train_step, abstract, method, cluster)
+            plan = alpa_mini.plan(train_step, *abstract, method=method, cluster=cluster)
             step = alpa_mini.parallelize(train_step, method=dataclasses.replace(method, plan=plan))
             ex = step.get_executable(params, state, batch)
             p, s = params, state

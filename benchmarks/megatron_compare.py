@@ -66,7 +66,6 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
     from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from alpa_mini.pipeline.executable import plan_pipeshard
     from benchmarks.baselines import evaluate_plan
 
     spec = ModelSpec.named(name)
@@ -94,7 +93,7 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         for b in counts:
             tb = time.perf_counter()
             try:
-                plan = plan_pipeshard(step, args, make_method(b), cluster)
+                plan = alpa_mini.plan(step, *args, method=make_method(b), cluster=cluster)
             except MemoryBudgetError as err:
                 reasons.append(f"B={b}: {str(err)[:140]}")
                 progress(f"{name} {who} B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")

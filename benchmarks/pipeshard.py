@@ -81,7 +81,7 @@ def planning_rows(cluster: str) -> list[dict[str, Any]]:
                 "per_host": per_host,
                 "micro_batches": micro,
                 "target": target,
-                "seconds": p["seconds"],
+                "seconds": p["total_seconds"],
                 "process_wall": wall,
                 "ilps": p["ilps_solved"],
                 "entries": p["cost_entries"],
@@ -109,7 +109,7 @@ def planning_table(rows: list[dict[str, Any]], cluster: str) -> str:
         f"`alpa-mini plan --model M --cluster {cluster} --hosts H --devices-per-host D "
         "--micro-batches B` (auto layers at the model's pipeline marks: embedding, one per "
         "block; individual profiling; 1F1B; global batch 1024, fp16; analytic cost model; "
-        "power-of-two submeshes). *Planning s* is `plan.planning['seconds']` (trace + "
+        "power-of-two submeshes). *Planning s* is `plan.planning.total_seconds` (trace + "
         "every ILP + stage DP), measured in a fresh process per row; *process s* adds "
         "Python and JAX start-up. *ILPs* are those really solved; *entries* the DP table's "
         "(layer range, submesh, logical mesh) cells; *hits* the per-layer lookups the "
@@ -174,12 +174,12 @@ def profiling_rows() -> list[dict[str, Any]]:
     import jax
     import numpy as np
 
+    import alpa_mini
     from alpa_mini.cluster.spec import ClusterSpec
     from alpa_mini.graph.micro_batch import value_and_grad
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
     from alpa_mini.options.pipeshard import AutoStageOption, ManualLayerOption, PipeshardParallel
-    from alpa_mini.pipeline.executable import plan_pipeshard
     from alpa_mini.solvers.stages.search import stage_objective
 
     rows = []
@@ -204,7 +204,7 @@ def profiling_rows() -> list[dict[str, Any]]:
                 layer_option=ManualLayerOption(),
                 stage_option=AutoStageOption(profiling=mode),
             )
-            plans[mode] = plan_pipeshard(step, args, method, cluster)
+            plans[mode] = alpa_mini.plan(step, *args, method=method, cluster=cluster)
         ind, whole = plans["individual"], plans["whole"]
         a, b = ind.stage_problem.cost, whole.stage_problem.cost
         both = np.isfinite(a) & np.isfinite(b)
@@ -241,10 +241,10 @@ def profiling_rows() -> list[dict[str, Any]]:
                 "t_ind": ind.predicted_time,
                 "t_whole": whole.predicted_time,
                 "t_ind_by_whole": ind_by_whole,
-                "s_ind": ind.planning["seconds"],
-                "s_whole": whole.planning["seconds"],
-                "ilps_ind": ind.planning["ilps_solved"],
-                "ilps_whole": whole.planning["ilps_solved"],
+                "s_ind": ind.planning.total_seconds,
+                "s_whole": whole.planning.total_seconds,
+                "ilps_ind": ind.planning.ilps_solved,
+                "ilps_whole": whole.planning.ilps_solved,
                 "same_slicing": [
                     (s.layer_start, s.layer_end, s.submesh, s.logical_shape) for s in ind.stages
                 ]

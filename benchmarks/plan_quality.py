@@ -105,7 +105,6 @@ def row(
     from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from alpa_mini.pipeline.executable import plan_pipeshard
     from benchmarks.baselines import evaluate_plan, run_baselines
 
     spec = ModelSpec.named(name)
@@ -133,7 +132,7 @@ def row(
         )
         tb = time.perf_counter()
         try:
-            plan = plan_pipeshard(step, args, method, cluster)
+            plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
         except MemoryBudgetError as err:
             ours["reasons"].append(f"B={b}: {str(err)[:160]}")
             progress(f"{name} ours B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")

@@ -44,7 +44,6 @@ def point(layers: int, devices: int) -> dict[str, Any]:
     from alpa_mini import ClusterSpec
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from alpa_mini.pipeline.executable import plan_pipeshard
 
     spec = ModelSpec.named("gpt-1.3b")
     config = dataclasses.replace(spec.config, num_layers=layers, pipeline_marks=True)
@@ -60,16 +59,16 @@ def point(layers: int, devices: int) -> dict[str, Any]:
         stage_option=alpa_mini.AutoStageOption(memory_budget=1e15),
     )
     t0 = time.perf_counter()
-    plan = plan_pipeshard(step, args, method, cluster)
+    plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
     seconds = time.perf_counter() - t0
-    p = plan.planning or {}
+    p = plan.planning
     return {
         "layers": layers,
         "devices": devices,
         "seconds": seconds,
         "stages": plan.num_stages,
-        "ilps": p.get("ilps_solved"),
-        "entries": p.get("cost_entries"),
+        "ilps": p.ilps_solved,
+        "entries": p.cost_entries,
     }
 
 

@@ -115,10 +115,10 @@ def run_pipeshard_demo(
     ex = step.get_executable(params, state, batch)
     planning = time.perf_counter() - t0
     console.print(ex.plan.summary())
-    stats = ex.plan.planning or {}
+    stats = ex.plan.planning
     console.print(
-        f"planned and compiled in {planning:.2f} s: {stats.get('ilps_solved', '?')} ILPs for "
-        f"{stats.get('cost_entries', '?')} stage-cost entries"
+        f"planned and compiled in {planning:.2f} s: {stats.ilps_solved} ILPs for "
+        f"{stats.cost_entries} stage-cost entries"
     )
     run = _train_and_compare(step, jax.jit(train_step), params, state, batch, steps, console)
     console.print(

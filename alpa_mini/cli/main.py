@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..graph.planning_stats import PlanningStats
 from ..options.pipeshard import LOGICAL_SHAPE_SPACES
 from ..solvers.errors import InfeasibleError, SolverInputError, SolverTimeLimitError
 from ..solvers.sharding.problem import ShardingProblem, load_iopddl
@@ -191,13 +192,13 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
+    from ..api import plan
     from ..cluster.spec import ClusterSpec
     from ..errors import ConfigError
     from ..graph.micro_batch import value_and_grad
     from ..models import adam, make_train_step
     from ..models.specs import ModelSpec
     from ..options.pipeshard import AutoStageOption, ManualLayerOption, PipeshardParallel
-    from ..pipeline.executable import plan_pipeshard
 
     try:
         spec = ModelSpec.load_any(args.model)
@@ -230,20 +231,20 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         batch = spec.abstract_batch(args.batch_size)
         step = make_train_step(spec.loss_fn(), opt, value_and_grad)
         with console.status("planning") as status:
-            plan = plan_pipeshard(
-                step, (params, state, batch), method, cluster, progress=status.update
+            planned = plan(
+                step, params, state, batch, method=method, cluster=cluster, progress=status.update
             )
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
-    console.print(plan.summary())
-    p = plan.planning or {}
+    console.print(planned.summary())
+    p = planned.planning or PlanningStats()
     console.print(
-        f"planned in {p.get('seconds', 0):.2f} s; ILPs solved {p.get('ilps_solved')}, "
-        f"cost-table entries {p.get('cost_entries')} ({p.get('cache_hits')} from the cache)"
+        f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}, "
+        f"cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"
     )
     if args.json is not None:
-        args.json.write_text(plan.to_json())
+        args.json.write_text(planned.to_json())
         console.print(f"plan written to {args.json}")
     return 0
 

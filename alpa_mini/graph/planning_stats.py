@@ -39,4 +39,7 @@ class PlanningStats:
         if not isinstance(data, dict):
             raise ValueError(f"planning: expected a mapping or null, got {data!r}")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        if "seconds" in data and "total_seconds" not in data:  # plans saved before this record
+            values["total_seconds"] = data["seconds"]
+        return cls(**values)

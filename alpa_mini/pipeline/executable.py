@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -12,9 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import ClosedJaxpr
 
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
+from ..graph.planning_stats import PlanningStats
 from ..options.pipeshard import PipeshardParallel
 from ..runtime.instructions import format_stream
 from ..runtime.local import InstructionTiming, LocalRuntime
@@ -26,7 +29,17 @@ from .schedules import make_schedule
 from .stage_search import plan_pipeline
 from .stage_slice import slice_stage
 
-__all__ = ["PipeshardExecutable", "compile_pipeshard", "plan_pipeshard"]
+__all__ = [
+    "PipeshardExecutable",
+    "PreparedStep",
+    "StepFun",
+    "add_buffers",
+    "compile_pipeshard",
+    "plan_pipeshard",
+    "prepare_step",
+    "stage_lowerings",
+    "trace_step",
+]
 
 
 @dataclass(eq=False)
@@ -99,49 +112,93 @@ class StepFun:
         return self.fun(*args)
 
 
-def _add(a: Any, b: Any) -> Any:
+def add_buffers(a: Any, b: Any) -> Any:
+    """The runtime's ACCUMULATE: one jitted add, shared by every stage."""
     return _ADD(a, b)
 
 
 _ADD = jax.jit(jnp.add)
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """A pipeshard step traced with ``alpa_mini.grad`` captured, and its plan."""
+
+    step: ClosedJaxpr
+    out_tree: Any
+    capture: GradCapture
+    forward: ClosedJaxpr
+    plan: PipeshardPlan
+
+
+def prepare_step(
+    step_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None = None,
+) -> PreparedStep:
+    """Trace the step and plan it, or check that ``method.plan`` was made for this step."""
+    t0 = time.perf_counter()
+    step, out_shape, capture, forward = trace_step(step_fun, avals, method.num_micro_batches)
+    plan = method.plan
+    if plan is None:
+        trace_seconds = time.perf_counter() - t0
+        plan = _plan(forward, capture, avals, roles, method, cluster, t0, progress)
+        stats = dataclasses.replace(plan.planning, trace_seconds=trace_seconds)
+        plan = dataclasses.replace(plan, planning=stats)
+    elif plan.num_equations != len(forward.jaxpr.eqns) or (
+        plan.num_micro_batches != method.num_micro_batches
+    ):
+        raise ValueError(
+            f"plan: made for a forward of {plan.num_equations} equations and "
+            f"{plan.num_micro_batches} micro-batches; this step has "
+            f"{len(forward.jaxpr.eqns)} and {method.num_micro_batches}"
+        )
+    return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan)
+
+
+def plan_pipeshard(
+    step_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None = None,
+) -> PipeshardPlan:
+    """Plan only (no devices needed, nothing allocated or compiled); ``alpa_mini.plan``."""
+    return prepare_step(step_fun, avals, roles, method, cluster, progress).plan
+
+
 def compile_pipeshard(
     fun: Callable[..., Any],
-    flat_fun: Callable[..., Any],
+    step_fun: Callable[..., Any],
     avals: list[Any],
     roles: list[str],
     in_tree: Any,
     static: tuple[tuple[int, Any], ...],
     method: PipeshardParallel,
     cluster: ClusterSpec,
-    plan: PipeshardPlan | None = None,
 ) -> PipeshardExecutable:
-    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``plan``), lower."""
+    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``method.plan``), lower."""
     t0 = time.perf_counter()
-    B = method.num_micro_batches
-    step, out_shape, capture, forward = _trace(flat_fun, avals, B)
+    prepared = prepare_step(step_fun, avals, roles, method, cluster)
+    plan = prepared.plan
     devices = jax.devices()[: cluster.num_devices]
-    if plan is None:
-        plan = _plan(forward, capture, avals, roles, method, cluster, t0, None)
-    else:
-        if plan.num_equations != len(forward.jaxpr.eqns) or plan.num_micro_batches != B:
-            raise ValueError(
-                f"plan: made for a forward of {plan.num_equations} equations and "
-                f"{plan.num_micro_batches} micro-batches; this step has "
-                f"{len(forward.jaxpr.eqns)} and {B}"
-            )
     lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
-    schedule = make_schedule(plan.schedule, plan.num_stages, B)
-    compiled = compile_pipeline(step, capture, forward, lowering, schedule)
-    runtime = LocalRuntime(compiled.programs, compiled.layouts, _add)
+    schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batches)
+    compiled = compile_pipeline(
+        prepared.step, prepared.capture, prepared.forward, lowering, schedule
+    )
+    runtime = LocalRuntime(compiled.programs, compiled.layouts, add_buffers)
     return PipeshardExecutable(
         fun_name=getattr(fun, "__name__", "step"),
         plan=plan,
         compiled=compiled,
         runtime=runtime,
         in_tree=in_tree,
-        out_tree=jax.tree.structure(out_shape),
+        out_tree=prepared.out_tree,
         static_argnums=tuple(i for i, _ in static),
         planning_time=time.perf_counter() - t0,
         extra={"schedule": schedule},
@@ -168,29 +225,7 @@ def _nbytes(a: Any) -> float:
     return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
 
 
-def plan_pipeshard(
-    step: Callable[..., Any],
-    args: tuple[Any, ...],
-    method: PipeshardParallel,
-    cluster: ClusterSpec,
-    progress: Callable[[str], None] | None = None,
-) -> PipeshardPlan:
-    """Plan only (no devices needed): ``args`` may be ``jax.ShapeDtypeStruct`` pytrees of
-    (params, state..., batch) in the step's order; nothing is allocated or compiled."""
-    t0 = time.perf_counter()
-    flat, in_tree = jax.tree.flatten(args)
-    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in flat]
-    roles = []
-    for i, a in enumerate(args):
-        role = "batch" if i == len(args) - 1 else "param" if i == 0 else "state"
-        roles += [role] * len(jax.tree.leaves(a))
-
-    step_fun = StepFun(step, (), in_tree)
-    _, _, capture, forward = _trace(step_fun, avals, method.num_micro_batches)
-    return _plan(forward, capture, avals, roles, method, cluster, t0, progress)
-
-
-def _trace(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int):
+def trace_step(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int) -> tuple:
     """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
     with capturing(num_micro_batches) as captures:
         # A fresh closure each time: JAX caches traces by function, and an equal StepFun kept
@@ -246,10 +281,13 @@ def _make_plan(decisions, starts, forward, method, cluster, problem, solution, s
         cluster=cluster.name,
         stage_problem=problem,
         stage_solution=solution,
-        planning={
-            "ilps_solved": stats.ilps_solved,
-            "cost_entries": stats.cost_entries,
-            "cache_hits": stats.cache_hits,
-            "seconds": time.perf_counter() - t0,
-        },
+        planning=PlanningStats(
+            graph_seconds=stats.graph_seconds,
+            ilp_seconds=stats.ilp_seconds,
+            dp_seconds=stats.dp_seconds,
+            total_seconds=time.perf_counter() - t0,
+            ilps_solved=stats.ilps_solved,
+            cost_entries=stats.cost_entries,
+            cache_hits=stats.cache_hits,
+        ),
     )

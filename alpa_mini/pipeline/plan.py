@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..graph.planning_stats import PlanningStats
 from ..shard.spec import ShardingSpec
 from ..solvers.stages.search import StageProblem, StageSolution, stage_objective
 
@@ -97,7 +98,7 @@ class PipeshardPlan:
     cluster: str
     stage_problem: StageProblem | None = None
     stage_solution: StageSolution | None = None
-    planning: dict[str, Any] | None = None
+    planning: PlanningStats | None = None
 
     @property
     def num_stages(self) -> int:
@@ -128,7 +129,7 @@ class PipeshardPlan:
             "stage_solution": None
             if self.stage_solution is None
             else self.stage_solution.to_dict(),
-            "planning": self.planning,
+            "planning": None if self.planning is None else self.planning.to_dict(),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -159,7 +160,7 @@ class PipeshardPlan:
                 stage_solution=None
                 if d.get("stage_solution") is None
                 else StageSolution.from_dict(d["stage_solution"]),
-                planning=d.get("planning"),
+                planning=PlanningStats.from_dict(d.get("planning")),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise ValueError(f"plan: missing or malformed field {err}") from None

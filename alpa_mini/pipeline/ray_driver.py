@@ -37,7 +37,7 @@ from ..runtime.local import InstructionTiming, LocalRuntime
 from ..runtime.ray_worker import Resident
 from ..session.ray import RaySession
 from ..shard.executable import dynamic_leaves
-from .executable import StepFun
+from .executable import StepFun, add_buffers, prepare_step, stage_lowerings, trace_step
 from .plan import PipeshardPlan
 
 __all__ = [
@@ -180,13 +180,12 @@ class WorkerBuilder:
     ) -> tuple[Any, ...]:
         """``devices``: this host's; ``group_devices``: every host's, host-major, when the
         workers form one ``jax.distributed`` group (plan device ``d`` is then the d-th)."""
-        from .executable import _add, _trace, stage_lowerings
         from .lower.compile import compile_pipeline
         from .schedules import make_schedule
 
         plan = PipeshardPlan.from_json(self.plan_json)
         B = plan.num_micro_batches
-        step, _, capture, forward = _trace(self.step_fun, list(self.avals), B)
+        step, _, capture, forward = trace_step(self.step_fun, list(self.avals), B)
         placed = []
         for s, st in enumerate(plan.stages):
             if group_devices:
@@ -218,7 +217,7 @@ class WorkerBuilder:
         return (
             compiled.programs,
             compiled.layouts,
-            _add,
+            add_buffers,
             split.streams.get(host, []),
             sorted(split.needs.get(host, ())),
             holds,
@@ -434,12 +433,8 @@ def compile_pipeshard_ray(
     """Plan on the driver (or replay ``method.plan``), then build on every host worker."""
     import ray
 
-    from .executable import _plan, _trace
-
     t0 = time.perf_counter()
     step_fun = StepFun(fun, static, in_tree)
-    B = method.num_micro_batches
-    _, out_shape, capture, forward = _trace(step_fun, avals, B)
     if (
         method.plan is None
         and isinstance(method.stage_option, AutoStageOption)
@@ -448,7 +443,8 @@ def compile_pipeshard_ray(
         # Without the workers' jax.distributed group no stage mesh may span hosts.
         option = dataclasses.replace(method.stage_option, submesh_space="one_host")
         method = dataclasses.replace(method, stage_option=option)
-    plan = method.plan or _plan(forward, capture, avals, roles, method, cluster, t0, None)
+    prepared = prepare_step(step_fun, avals, roles, method, cluster)
+    plan = prepared.plan
     hosts = stage_hosts(plan, cluster.devices_per_host, session.span_hosts)
     builder = WorkerBuilder(
         step_fun, tuple(avals), plan.to_json(), tuple(hosts), cluster.devices_per_host
@@ -467,7 +463,7 @@ def compile_pipeshard_ray(
         arg_devices=dict(meta["arg_devices"]),
         stage_host=tuple(hosts),
         in_tree=in_tree,
-        out_tree=jax.tree.structure(out_shape),
+        out_tree=prepared.out_tree,
         static_argnums=tuple(i for i, _ in static),
         planning_time=time.perf_counter() - t0,
     )

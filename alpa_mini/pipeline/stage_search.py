@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -88,14 +88,17 @@ class StageDecision:
 
 
 @dataclass
-class PlanningStats:
-    """What planning cost: ILPs really solved, stage costs needed (the DP table's cells for
-    auto stages, one per stage otherwise) and lookups the structural-hash cache answered."""
+class PlanningCounters:
+    """What planning cost so far: ILPs really solved, stage costs needed (the DP table's cells
+    for auto stages, one per stage otherwise), lookups the structural-hash cache answered,
+    and seconds building op graphs, in ILPs (summed over threads) and in the stage DP."""
 
     ilps_solved: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
+    graph_seconds: float = 0.0
+    ilp_seconds: float = 0.0
+    dp_seconds: float = 0.0
 
 
 def layer_starts(forward: ClosedJaxpr, option: Any) -> tuple[int, ...]:
@@ -181,7 +184,7 @@ class _StageModel:
         # ILP, and prefetch threads may ask for it at once; it is solved once.
         self._presets: dict[Any, Future] = {}
         self._lock = threading.Lock()
-        self.stats = PlanningStats()
+        self.stats = PlanningCounters()
 
     def _io(self, start: int, end: int) -> tuple[Any, ...]:
         hit = self._slices.get((start, end))
@@ -289,6 +292,7 @@ class _StageModel:
         hit = self._graphs.get(io[5])
         if hit is not None:
             return hit
+        t0 = time.perf_counter()
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
         consts = {v: c for v, c in self.consts.items() if v in set(sl.invars)}
 
@@ -335,6 +339,8 @@ class _StageModel:
         res_tree = jax.eval_shape(residuals, *avals[: nd_n + len(nondiff_in)])
         res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree))
         out = self._graphs[io[5]] = (graph, res_bytes, param_bytes)
+        with self._lock:
+            self.stats.graph_seconds += time.perf_counter() - t0
         return out
 
     def _solve(
@@ -391,6 +397,7 @@ class _StageModel:
         def run(filters: list[Any] | None) -> ShardingPlan | str:
             with self._lock:
                 self.stats.ilps_solved += 1
+            t0 = time.perf_counter()
             try:
                 return plan_sharding(
                     graph,
@@ -404,6 +411,9 @@ class _StageModel:
                 )
             except MemoryBudgetError as err:
                 return "time" if err.timed_out else "memory"
+            finally:
+                with self._lock:
+                    self.stats.ilp_seconds += time.perf_counter() - t0
 
         try:
             plan = solve(filters, None if filters is None else opt)
@@ -547,10 +557,13 @@ def plan_pipeline(
     param_bytes_total: float,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[
-    list[StageDecision], tuple[int, ...], StageProblem | None, StageSolution | None, PlanningStats
+    list[StageDecision],
+    tuple[int, ...],
+    StageProblem | None,
+    StageSolution | None,
+    PlanningCounters,
 ]:
     """Layers, then stages (auto: cost table + DP; uniform; manual), each with its ILP plan."""
-    t0 = time.perf_counter()
     starts = layer_starts(forward, method.layer_option)
     n_eqns = len(forward.jaxpr.eqns)
     ends = (*starts[1:], n_eqns)
@@ -569,7 +582,9 @@ def plan_pipeline(
         names = _config_names(configs)
         problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         try:
+            t_dp = time.perf_counter()
             solution = solve_stages(problem)
+            model.stats.dp_seconds = time.perf_counter() - t_dp
         except InfeasibleError as err:
             need = _least_pipeline_memory(
                 forward,
@@ -682,7 +697,6 @@ def plan_pipeline(
             )
         sc = _with_launches(model, sc, sub, logical)
         decisions.append(StageDecision(i, j, starts[i], ends[j], sub, devs, logical, sc))
-    model.stats.seconds["total"] = time.perf_counter() - t0
     return decisions, starts, problem, solution, model.stats
 
 

@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..graph.planning_stats import PlanningStats
 from .spec import ShardingSpec
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class ShardingPlan:
     memory_budget: float | None
     solver: dict[str, Any] = field(default_factory=dict)
     mesh_search: tuple[tuple[tuple[int, ...], float | None], ...] = ()
+    #: Where planning spent its time; not part of the plan's identity (``==`` ignores it).
+    planning: PlanningStats | None = field(default=None, compare=False)
 
     # ----------------------------------------------------------------- derived views
     @property
@@ -269,6 +272,7 @@ class ShardingPlan:
         ]
         data["collectives"] = [asdict(c) for c in self.collectives]
         data["output_specs"] = [s.to_list() for s in self.output_specs]
+        data["planning"] = None if self.planning is None else self.planning.to_dict()
         return json.dumps(enc(data))
 
     @classmethod
@@ -339,6 +343,7 @@ class ShardingPlan:
                 (tuple(shape), t if t is None or isinstance(t, float) else float(t))
                 for shape, t in d["mesh_search"]
             ),
+            planning=PlanningStats.from_dict(d.get("planning")),
         )
 
 

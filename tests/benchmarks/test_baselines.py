@@ -122,7 +122,7 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
     """Data parallel of wide layers (4 layers of 1024x1024, 8 rows, 4 devices): each
     replicated parameter's gradient needs a sync, priced either way; inside the ILP
     ("ilp") the free ILP then prefers splitting the weights, which is cheaper."""
-    from alpa_mini.pipeline.executable import plan_pipeshard
+    import alpa_mini
 
     step, args = _mlp_args(width=1024, batch=8)
 
@@ -132,7 +132,7 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
             default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
             gradient_sync=sync,
         )
-        return plan_pipeshard(step, args, method, FOUR).stages[0].latency
+        return alpa_mini.plan(step, *args, method=method, cluster=FOUR).stages[0].latency
 
     data_after, data_ilp = latency("data", "after"), latency("data", "ilp")
     free_after, free_ilp = latency("auto", "after"), latency("auto", "ilp")
@@ -146,7 +146,7 @@ def test_uniform_individual_profiling_composes_the_layer_costs():
     between layers: a 2-layer composed stage costs exactly the sum of its two one-layer
     stages in latency and residual bytes; its memory is the held-plus-largest-transient
     closed form, an upper bound on the whole stage's ILP peak."""
-    from alpa_mini.pipeline.executable import plan_pipeshard
+    import alpa_mini
 
     step, args = _mlp_args(width=64, batch=64)
 
@@ -155,7 +155,7 @@ def test_uniform_individual_profiling_composes_the_layer_costs():
             stage_option=alpa_mini.UniformStageOption(num, (1, 1), profiling=profiling),
             default_auto_sharding_option=alpa_mini.ShardParallel(layout="data"),
         )
-        return plan_pipeshard(step, args, method, CLUSTER).stages
+        return alpa_mini.plan(step, *args, method=method, cluster=CLUSTER).stages
 
     layers = stages(4, "whole")
     pairs = stages(2, "individual")
@@ -208,8 +208,8 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     mesh's first axis, the rest free), and keeps the fastest plan. Here the free plan is made
     100x slower and marked "feasible": the stage must come out exactly as the better of the
     two presets plans it, after three ILPs."""
+    import alpa_mini
     from alpa_mini.pipeline import stage_search as stage_planner
-    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
 
@@ -229,7 +229,7 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
             ),
             gradient_sync="ilp",
         )
-        plan = plan_pipeshard(step, args, method, FOUR)
+        plan = alpa_mini.plan(step, *args, method=method, cluster=FOUR)
         return plan.stages[0], plan.planning
 
     for width, batch, logical in ((256, 64, (4,)), (256, 512, (2, 2))):
@@ -241,27 +241,27 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
         fallback, stats = stage("auto", None, logical)
         assert fallback.latency == pytest.approx(best.latency, rel=1e-12)
         assert fallback.in_specs == best.in_specs
-        assert stats["ilps_solved"] == 3
+        assert stats.ilps_solved == 3
     # ZeRO-3 wins (ties) the first case and the batch split the second (39.281 vs 39.307 ms),
     # so both restrictions are exercised.
     assert fallback.latency < presets[0].latency
     monkeypatch.setattr(stage_planner, "plan_sharding", real)
     _, stats = stage("auto")
-    assert stats["ilps_solved"] == 1  # proven optimal: no second MIP
+    assert stats.ilps_solved == 1  # proven optimal: no second MIP
     # A batch of 6 rows has no ZeRO-3 or batch-split layout on 4 devices: the unproven free
     # plan stays.
     step, args = _mlp_args(width=256, batch=6)
     monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
     kept, stats = stage("auto")
-    assert stats["ilps_solved"] == 3  # both pinned attempts are counted, then given up
+    assert stats.ilps_solved == 3  # both pinned attempts are counted, then given up
     assert kept.latency > 0
 
 
 def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
     """The free MIP's ZeRO-3 fallback and the memory-lean ZeRO-3 column are one ILP (same
     graph, mesh, pins and budget): a stage model solves it once, in either order."""
+    import alpa_mini
     from alpa_mini.pipeline import stage_search as stage_planner
-    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
     models = []
@@ -287,7 +287,7 @@ def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
             default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
             gradient_sync="ilp",
         )
-        plan = plan_pipeshard(step, args, method, FOUR)
+        plan = alpa_mini.plan(step, *args, method=method, cluster=FOUR)
         stage = plan.stages[0]
         return models[-1], stage.eqn_start, stage.eqn_end, plan
 
@@ -295,7 +295,7 @@ def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
     zero3 = zero3_model.cost(start, end, (1, 4), (4,))  # its cached StageCost
     # Free first: its fallbacks solve ZeRO-3's and Megatron's ILPs; the column then reuses.
     model, start, end, plan = planned("auto")
-    assert plan.planning["ilps_solved"] == 3
+    assert plan.planning.ilps_solved == 3
     column = model.cost(start, end, (1, 4), (4,), "zero3")
     assert model.stats.ilps_solved == 3
     assert column.latency == pytest.approx(zero3.latency, rel=1e-12)
@@ -313,14 +313,14 @@ def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
     """Four 1024x1024 layers, 512 rows, 4 devices: per-layer ILPs pick layouts for speed,
     and stages composed from them need about 38 MiB per device; with memory_lean the DP can
     take ZeRO-3-sharded layers instead, fits in 90% of that, and says which column it used."""
-    from alpa_mini.pipeline.executable import plan_pipeshard
+    import alpa_mini
 
     step, args = _mlp_args(width=1024, batch=512)
 
     def plan(lean: bool, budget: float):
         option = alpa_mini.AutoStageOption(memory_lean=lean, memory_budget=budget)
         method = alpa_mini.PipeshardParallel(num_micro_batches=1, stage_option=option)
-        return plan_pipeshard(step, args, method, FOUR)
+        return alpa_mini.plan(step, *args, method=method, cluster=FOUR)
 
     with pytest.raises(alpa_mini.MemoryBudgetError) as info:
         plan(False, 1024)
@@ -341,8 +341,8 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
     DP picks the memory-lean column; ``refine`` must then re-plan the chosen stage whole in
     that column too, and land exactly on the whole-stage ZeRO-3 plan, which beats the
     composition (whose per-layer pieces reshard between layers)."""
+    import alpa_mini
     from alpa_mini.pipeline import stage_search as stage_planner
-    from alpa_mini.pipeline.executable import plan_pipeshard
 
     real = stage_planner.plan_sharding
 
@@ -361,7 +361,7 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
             stage_option=stage_option,
             default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
         )
-        return plan_pipeshard(step, args, method, FOUR)
+        return alpa_mini.plan(step, *args, method=method, cluster=FOUR)
 
     composed = plan(alpa_mini.AutoStageOption(memory_lean=True))
     refined = plan(alpa_mini.AutoStageOption(memory_lean=True, refine=True))
@@ -378,7 +378,7 @@ def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
     """``refine_within=0`` re-plans only the chosen config whole (two whole-stage ILPs fewer
     here: the submesh (1, 4) has three configs); a bound no config misses re-plans them
     all, exactly as None does; re-planning more configs is never worse."""
-    from alpa_mini.pipeline.executable import plan_pipeshard
+    import alpa_mini
     from alpa_mini.pipeline.stage_search import stage_configs
 
     step, args = _mlp_args(width=512, batch=256)
@@ -391,8 +391,8 @@ def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
             refine_within=within,
         )
         method = alpa_mini.PipeshardParallel(num_micro_batches=2, stage_option=option)
-        p = plan_pipeshard(step, args, method, FOUR)
-        return p.planning["ilps_solved"], [s.latency for s in p.stages], p
+        p = alpa_mini.plan(step, *args, method=method, cluster=FOUR)
+        return p.planning.ilps_solved, [s.latency for s in p.stages], p
 
     every, lat_every, p = plan(None)
     (submesh,) = {s.submesh for s in p.stages}

@@ -23,7 +23,6 @@ from alpa_mini.cluster.profile_db import (
 )
 from alpa_mini.graph.tracing import trace_jaxpr
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeline.executable import plan_pipeshard
 from alpa_mini.shard import CostModel
 from alpa_mini.shard.problem import plan_sharding
 
@@ -231,7 +230,7 @@ def test_a_stage_pays_its_two_program_launches_once_however_many_layers_it_compo
     for launch in (0.0, 1e-3):
         db = dataclasses.replace(DB, compute=(ComputeFit(1, 100e9, 40e9, launch, 0.0),))
         args = (params, jax.eval_shape(opt.init, params), batch)
-        plan = plan_pipeshard(step, args, method, one.with_profile(db))
+        plan = alpa_mini.plan(step, *args, method=method, cluster=one.with_profile(db))
         assert len(plan.stages) == 1 and plan.stages[0].layer_end > plan.stages[0].layer_start
         latencies.append(plan.stages[0].latency)
     assert latencies[1] - latencies[0] == pytest.approx(2e-3, rel=1e-9)

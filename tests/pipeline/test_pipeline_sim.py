@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 import alpa_mini
 from alpa_mini import ClusterSpec, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeline.executable import plan_pipeshard
 from alpa_mini.pipeline.schedules import make_schedule
 from alpa_mini.pipeline.simulate import StageTiming, simulate, simulate_plan, stage_timings
 
@@ -98,15 +97,17 @@ def test_a_planned_gpt_simulates_to_its_prediction_plus_the_activation_transfer(
     params = jax.eval_shape(lambda: init_gpt(GPT, jax.random.PRNGKey(1)))
     batch = jax.eval_shape(lambda: make_gpt_batch(GPT, jax.random.PRNGKey(2), 8))
     cluster = ClusterSpec.named("cpu-2x4")
-    plan = plan_pipeshard(
+    plan = alpa_mini.plan(
         make_train_step(lambda p, b: gpt_loss(p, b, GPT), opt, alpa_mini.value_and_grad),
-        (params, jax.eval_shape(opt.init, params), batch),
-        PipeshardParallel(
+        params,
+        jax.eval_shape(opt.init, params),
+        batch,
+        method=PipeshardParallel(
             num_micro_batches=4,
             stage_option=UniformStageOption(2, (1, 4)),
             pipeline_schedule="gpipe",
         ),
-        cluster,
+        cluster=cluster,
     )
     assert [s.out_bytes for s in plan.stages] == [2 * 16 * 32 * 4, 0]
     assert all(s.residual_bytes > 0 for s in plan.stages)

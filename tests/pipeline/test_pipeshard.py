@@ -161,9 +161,9 @@ def test_identical_layers_are_solved_once():
     # Three kinds of layer: the first (reads the batch, needs no input cotangent), four equal
     # middle ones, the last (with the loss); six (submesh, logical mesh) pairs on one host of
     # 8: (1,), (2,), (4,), (2, 2), (8,), (2, 4). Individual profiling composes the 21 ranges.
-    assert p["ilps_solved"] == 3 * 6
-    assert p["cost_entries"] == 21 * 6
-    assert p["cache_hits"] == 3 * 6  # layers 2..4 of the middle four, on each mesh
+    assert p.ilps_solved == 3 * 6
+    assert p.cost_entries == 21 * 6
+    assert p.cache_hits == 3 * 6  # layers 2..4 of the middle four, on each mesh
 
 
 def test_too_small_memory_names_the_minimum():
@@ -252,7 +252,7 @@ def test_cli_plan_from_abstract_shapes(tmp_path):
     plan = PipeshardPlan.from_json(out.read_text())
     assert sum(len(s.devices) for s in plan.stages) == 8
     assert plan.num_layers == 5  # embedding + 4 blocks, cut at the model's pipeline marks
-    assert plan.planning["ilps_solved"] < plan.planning["cost_entries"]
+    assert plan.planning.ilps_solved < plan.planning.cost_entries
 
 
 def test_profile_times_every_instruction_and_matches_the_plain_step():
@@ -360,7 +360,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
     """A failed plan's traceback keeps its traced step alive; planning the same step again
     must trace it again (JAX would otherwise serve the cached trace and alpa_mini.grad would
     capture nothing)."""
-    from alpa_mini.pipeline.executable import plan_pipeshard
+    import alpa_mini
 
     loss, params, data = _mlp_case()
     opt = adam(1e-2)
@@ -371,7 +371,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
     def plan(budget):
         stage = AutoStageOption(memory_budget=budget)
         method = PipeshardParallel(num_micro_batches=2, stage_option=stage)
-        return plan_pipeshard(step, args, method, cluster)
+        return alpa_mini.plan(step, *args, method=method, cluster=cluster)
 
     with pytest.raises(MemoryBudgetError) as info:
         plan(64)

@@ -10,7 +10,6 @@ import pytest
 import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-from alpa_mini.pipeline.executable import plan_pipeshard
 from alpa_mini.pipeline.ray_driver import split_stream, stage_hosts
 from alpa_mini.runtime.instructions import Accumulate, Free, Gather, Put, Recv, Run, Send
 
@@ -157,10 +156,12 @@ def test_stage_hosts_refuses_a_spanning_mesh_without_the_group(compiled):
 def _one_wide_stage_plan_json() -> str:
     params = init_gpt(GPT, jax.random.PRNGKey(1))
     batch = make_gpt_batch(GPT, jax.random.PRNGKey(2), 8)
-    plan = plan_pipeshard(
+    plan = alpa_mini.plan(
         make_train_step(lambda p, b: gpt_loss(p, b, GPT), OPT, alpa_mini.value_and_grad),
-        (params, OPT.init(params), batch),
-        PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(1, (2, 4))),
-        ClusterSpec.named("cpu-2x4"),
+        params,
+        OPT.init(params),
+        batch,
+        method=PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(1, (2, 4))),
+        cluster=ClusterSpec.named("cpu-2x4"),
     )
     return plan.to_json()

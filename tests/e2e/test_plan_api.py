@@ -1,0 +1,104 @@
+"""``alpa_mini.plan``: the plan alone, from concrete or abstract arguments, for any cluster,
+equal to the plan the executable runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_mini
+from alpa_mini import (
+    ClusterSpec,
+    ConfigError,
+    PipeshardParallel,
+    PipeshardPlan,
+    ShardingPlan,
+    ShardParallel,
+    UniformStageOption,
+    mark_pipeline_boundary,
+)
+from alpa_mini.models import adam, make_train_step
+
+
+def _loss(params, batch):
+    x = batch["x"]
+    for i, w in enumerate(params):
+        x = jnp.tanh(x @ w)
+        if i < len(params) - 1:
+            mark_pipeline_boundary()
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _args(layers: int = 2, width: int = 64, batch: int = 32):
+    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
+    params = [jax.random.normal(k[i], (width, width)) * 0.1 for i in range(layers)]
+    data = {"x": jax.random.normal(k[-2], (batch, width)), "y": jnp.zeros((batch, width))}
+    opt = adam(1e-3)
+    return opt, (params, opt.init(params), data)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _without_timings(plan: ShardingPlan) -> ShardingPlan:
+    solver = {k: v for k, v in plan.solver.items() if "time" not in k}
+    return dataclasses.replace(plan, solver=solver)
+
+
+def test_shard_plan_from_abstract_args_equals_the_executables_plan(devices8) -> None:
+    opt, args = _args()
+    step = make_train_step(_loss, opt)
+    method = ShardParallel()
+    planned = alpa_mini.plan(step, *_abstract(args), method=method)
+    assert isinstance(planned, ShardingPlan)
+    assert planned.planning is not None and planned.planning.graph_seconds > 0
+    ex = alpa_mini.parallelize(step, method=method).get_executable(*args)
+    assert _without_timings(planned) == _without_timings(ex.plan)
+    assert ex.plan.planning.total_seconds >= ex.plan.planning.ilp_seconds > 0
+
+
+def test_pipeshard_plan_for_a_cluster_larger_than_the_devices_needs_no_devices() -> None:
+    opt, args = _args(layers=4)
+    cluster = ClusterSpec.named("cpu-2x4").with_hosts(4)  # 16 devices; the tests have 8
+    method = PipeshardParallel(
+        num_micro_batches=2, stage_option=UniformStageOption(2, (2, 4), (8,))
+    )
+    step = make_train_step(_loss, opt, alpa_mini.value_and_grad)
+    planned = alpa_mini.plan(step, *_abstract(args), method=method, cluster=cluster)
+    assert isinstance(planned, PipeshardPlan)
+    assert sorted(d for s in planned.stages for d in s.devices) == list(range(16))
+    assert planned.planning.ilps_solved >= 1 and planned.planning.trace_seconds > 0
+    again = PipeshardPlan.from_json(planned.to_json())
+    assert again == planned and again.planning == planned.planning
+
+
+def test_a_bundled_cluster_name_plans_like_its_spec() -> None:
+    opt, args = _args()
+    step = make_train_step(_loss, opt)
+    by_name = alpa_mini.plan(step, *_abstract(args), method=ShardParallel(), cluster="cpu-1x8")
+    by_spec = alpa_mini.plan(
+        step, *_abstract(args), method=ShardParallel(), cluster=ClusterSpec.named("cpu-1x8")
+    )
+    assert _without_timings(by_name) == _without_timings(by_spec)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "match"),
+    [(3, "cluster: 3 is not a ClusterSpec"), ("no-such-cluster", "no-such-cluster")],
+)
+def test_bad_clusters_are_named(cluster, match) -> None:
+    opt, args = _args()
+    with pytest.raises(ConfigError, match=match):
+        alpa_mini.plan(make_train_step(_loss, opt), *args, method=ShardParallel(), cluster=cluster)
+
+
+def test_no_cluster_and_no_init_is_a_clear_error() -> None:
+    alpa_mini.shutdown()
+    opt, args = _args()
+    with pytest.raises(ConfigError, match=r"cluster: None plans for the cluster of alpa_mini.init"):
+        alpa_mini.plan(make_train_step(_loss, opt), *args, method=ShardParallel())
