@@ -180,7 +180,7 @@ def profiling_rows() -> list[dict[str, Any]]:
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
     from alpa_mini.options.pipeshard import AutoStageOption, ManualLayerOption, PipeshardParallel
-    from alpa_mini.solvers.stages.search import stage_objective
+    from alpa_mini.solvers.stages import stage_objective
 
     rows = []
     for model, cluster_name, micro in PROFILING_ROWS:

@@ -25,11 +25,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alpa_mini.solvers.stages.search import (
-    random_stage_problem,
-    solve_stages,
-    solve_stages_reference,
-)
+from alpa_mini.solvers.brute_force import random_stage_problem, solve_stages_reference
+from alpa_mini.solvers.stages import solve_stages
 from benchmarks._report import update_section
 
 FULL = {"layers": [16, 32, 48, 96], "clusters": ["1x8", "8x8", "64x8", "128x8"], "batches": [8, 64]}

@@ -7,7 +7,7 @@ from .errors import InfeasibleError, SolverInputError, SolverTimeLimitError
 from .layer_clustering import LayerClustering, LayerCountSearch, cluster_layers, search_num_layers
 from .sharding.problem import Evaluation, ShardingProblem, evaluate, load_iopddl, save_iopddl
 from .sharding.solve import ShardingSolution, solve_sharding
-from .stages.search import Stage, StageProblem, StageSolution, solve_stages
+from .stages import Stage, StageProblem, StageSolution, solve_stages
 
 __all__ = [
     "Evaluation",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..graph.planning_stats import PlanningStats
 from ..shard.spec import ShardingSpec
-from ..solvers.stages.search import StageProblem, StageSolution, stage_objective
+from ..solvers.stages import StageProblem, StageSolution, stage_objective
 
 if TYPE_CHECKING:
     from ..cluster.spec import ClusterSpec

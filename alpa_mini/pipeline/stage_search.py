@@ -40,7 +40,7 @@ from ..shard.problem import plan_sharding
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
 from ..solvers.errors import InfeasibleError
-from ..solvers.stages.search import StageProblem, StageSolution, solve_stages, submesh_shapes
+from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .layers import (
     cluster_layer_starts,
     eval_eqns,

@@ -2,6 +2,7 @@
 
 from .clustering import brute_force_clustering
 from .sharding import brute_force_min_peak, brute_force_sharding
+from .stage_reference import random_stage_problem, solve_stages_reference
 from .stages import brute_force_stages
 
 __all__ = [
@@ -9,4 +10,6 @@ __all__ = [
     "brute_force_min_peak",
     "brute_force_sharding",
     "brute_force_stages",
+    "random_stage_problem",
+    "solve_stages_reference",
 ]

@@ -1,7 +1,7 @@
 """Exhaustive reference for the stage DP: every slicing x submesh x config, from the definition.
 
 Exponential in the number of layers; for tests on tiny instances only. It shares nothing with
-:mod:`..stage_dp` but the problem and solution records.
+:mod:`..stages` but the problem and solution records.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 
-from ..stages.search import Stage, StageProblem, StageSolution
+from ..stages.problem import Stage, StageProblem, StageSolution
 
 __all__ = ["brute_force_stages"]
 

@@ -11,15 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from alpa_mini.solvers.brute_force import random_stage_problem, solve_stages_reference
 from alpa_mini.solvers.brute_force.stages import brute_force_stages
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
-from alpa_mini.solvers.stages.search import (
+from alpa_mini.solvers.stages import (
     Stage,
     StageProblem,
     StageSolution,
-    random_stage_problem,
     solve_stages,
-    solve_stages_reference,
     stage_objective,
     submesh_shapes,
 )
