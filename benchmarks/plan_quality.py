@@ -206,7 +206,7 @@ def _num_layers(step: Any, args: tuple[Any, ...]) -> int:
 
     from alpa_mini.options.pipeshard import ManualLayerOption
     from alpa_mini.pipeline.executable import StepFun, _trace
-    from alpa_mini.pipeline.stage_search import layer_starts
+    from alpa_mini.pipeline.layers import layer_starts
 
     flat, tree = jax.tree.flatten(args)
     _, _, _, forward = _trace(StepFun(step, (), tree), list(flat), 1)

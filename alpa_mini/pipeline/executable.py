@@ -17,17 +17,15 @@ from jax.extend.core import ClosedJaxpr
 
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
-from ..graph.planning_stats import PlanningStats
 from ..options.pipeshard import PipeshardParallel
 from ..runtime.instructions import format_stream
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from .layers import flatten_calls
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
-from .plan import PipeshardPlan, StagePlan
+from .plan import PipeshardPlan
 from .schedules import make_schedule
 from .stage_search import plan_pipeline
-from .stage_slice import slice_stage
 
 __all__ = [
     "PipeshardExecutable",
@@ -145,8 +143,12 @@ def prepare_step(
     plan = method.plan
     if plan is None:
         trace_seconds = time.perf_counter() - t0
-        plan = _plan(forward, capture, avals, roles, method, cluster, t0, progress)
-        stats = dataclasses.replace(plan.planning, trace_seconds=trace_seconds)
+        plan = _plan(forward, capture, avals, roles, method, cluster, progress)
+        stats = dataclasses.replace(
+            plan.planning,
+            trace_seconds=trace_seconds,
+            total_seconds=time.perf_counter() - t0,
+        )
         plan = dataclasses.replace(plan, planning=stats)
     elif plan.num_equations != len(forward.jaxpr.eqns) or (
         plan.num_micro_batches != method.num_micro_batches
@@ -237,11 +239,11 @@ def trace_step(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int
     return step, out_shape, capture, flatten_calls(capture.loss)
 
 
-def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> PipeshardPlan:
+def _plan(forward, capture, avals, roles, method, cluster, progress) -> PipeshardPlan:
     """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
     param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
     state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
-    decisions, starts, problem, solution, stats = plan_pipeline(
+    return plan_pipeline(
         forward,
         capture,
         cluster,
@@ -249,45 +251,4 @@ def _plan(forward, capture, avals, roles, method, cluster, t0, progress) -> Pipe
         state_bytes_total=state_bytes,
         param_bytes_total=param_bytes,
         progress=progress,
-    )
-    return _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0)
-
-
-def _make_plan(decisions, starts, forward, method, cluster, problem, solution, stats, t0):
-    return PipeshardPlan(
-        stages=tuple(
-            StagePlan(
-                d.layer_start,
-                d.layer_end,
-                d.eqn_start,
-                d.eqn_end,
-                d.submesh,
-                d.devices,
-                d.logical_shape,
-                d.cost.latency,
-                d.cost.memory(1),
-                d.cost.in_specs,
-                d.cost.out_specs,
-                d.cost.inner_specs,
-                slice_stage(forward.jaxpr, d.eqn_start, d.eqn_end).boundary_bytes,
-                d.cost.residual_bytes,
-            )
-            for d in decisions
-        ),
-        layer_starts=starts,
-        num_equations=len(forward.jaxpr.eqns),
-        schedule=method.pipeline_schedule,
-        num_micro_batches=method.num_micro_batches,
-        cluster=cluster.name,
-        stage_problem=problem,
-        stage_solution=solution,
-        planning=PlanningStats(
-            graph_seconds=stats.graph_seconds,
-            ilp_seconds=stats.ilp_seconds,
-            dp_seconds=stats.dp_seconds,
-            total_seconds=time.perf_counter() - t0,
-            ilps_solved=stats.ilps_solved,
-            cost_entries=stats.cost_entries,
-            cache_hits=stats.cache_hits,
-        ),
     )

@@ -18,6 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from ..graph.markers import MARKER_NAME
 from ..graph.tracing import _jaxpr_flops, _subjaxprs, equation_flops
+from ..options.pipeshard import AutoLayerOption, ManualLayerOption
 from ..shard.lower import _equation_context
 from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
 
@@ -26,6 +27,7 @@ __all__ = [
     "eval_eqns",
     "flatten_calls",
     "layer_hash",
+    "layer_starts",
     "marker_layer_starts",
 ]
 
@@ -151,3 +153,12 @@ def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any
         )
     parts.append("out:" + ",".join(name(v) for v in outvars))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def layer_starts(
+    forward: ClosedJaxpr, option: AutoLayerOption | ManualLayerOption
+) -> tuple[int, ...]:
+    """Equation index where each layer starts: clustered, or at the user's markers."""
+    if isinstance(option, AutoLayerOption):
+        return cluster_layer_starts(forward.jaxpr, option.layer_num, option.eps)
+    return marker_layer_starts(forward.jaxpr)

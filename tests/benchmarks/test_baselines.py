@@ -209,9 +209,9 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     100x slower and marked "feasible": the stage must come out exactly as the better of the
     two presets plans it, after three ILPs."""
     import alpa_mini
-    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline import stage_cost
 
-    real = stage_planner.plan_sharding
+    real = stage_cost.plan_sharding
 
     def unproven_free(graph, cost, axis_names, *, input_filters=None, **kw):
         plan = real(graph, cost, axis_names, input_filters=input_filters, **kw)
@@ -234,10 +234,10 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
 
     for width, batch, logical in ((256, 64, (4,)), (256, 512, (2, 2))):
         step, args = _mlp_args(width=width, batch=batch)
-        monkeypatch.setattr(stage_planner, "plan_sharding", real)
+        monkeypatch.setattr(stage_cost, "plan_sharding", real)
         presets = [stage("zero3", None, logical)[0], stage("auto", 0, logical)[0]]
         best = min(presets, key=lambda s: s.latency)
-        monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
+        monkeypatch.setattr(stage_cost, "plan_sharding", unproven_free)
         fallback, stats = stage("auto", None, logical)
         assert fallback.latency == pytest.approx(best.latency, rel=1e-12)
         assert fallback.in_specs == best.in_specs
@@ -245,13 +245,13 @@ def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     # ZeRO-3 wins (ties) the first case and the batch split the second (39.281 vs 39.307 ms),
     # so both restrictions are exercised.
     assert fallback.latency < presets[0].latency
-    monkeypatch.setattr(stage_planner, "plan_sharding", real)
+    monkeypatch.setattr(stage_cost, "plan_sharding", real)
     _, stats = stage("auto")
     assert stats.ilps_solved == 1  # proven optimal: no second MIP
     # A batch of 6 rows has no ZeRO-3 or batch-split layout on 4 devices: the unproven free
     # plan stays.
     step, args = _mlp_args(width=256, batch=6)
-    monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
+    monkeypatch.setattr(stage_cost, "plan_sharding", unproven_free)
     kept, stats = stage("auto")
     assert stats.ilps_solved == 3  # both pinned attempts are counted, then given up
     assert kept.latency > 0
@@ -261,12 +261,12 @@ def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
     """The free MIP's ZeRO-3 fallback and the memory-lean ZeRO-3 column are one ILP (same
     graph, mesh, pins and budget): a stage model solves it once, in either order."""
     import alpa_mini
-    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline import stage_cost, stage_search
 
-    real = stage_planner.plan_sharding
+    real = stage_cost.plan_sharding
     models = []
 
-    class Spy(stage_planner._StageModel):
+    class Spy(stage_cost._StageModel):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             models.append(self)
@@ -277,8 +277,8 @@ def test_zero3_fallback_and_memory_lean_column_share_one_ilp(monkeypatch):
             return plan
         return dataclasses.replace(plan, solver={**plan.solver, "status": "feasible"})
 
-    monkeypatch.setattr(stage_planner, "_StageModel", Spy)
-    monkeypatch.setattr(stage_planner, "plan_sharding", unproven_free)
+    monkeypatch.setattr(stage_search, "_StageModel", Spy)
+    monkeypatch.setattr(stage_cost, "plan_sharding", unproven_free)
     step, args = _mlp_args(width=256, batch=64)
 
     def planned(layout):
@@ -342,9 +342,9 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
     that column too, and land exactly on the whole-stage ZeRO-3 plan, which beats the
     composition (whose per-layer pieces reshard between layers)."""
     import alpa_mini
-    from alpa_mini.pipeline import stage_search as stage_planner
+    from alpa_mini.pipeline import stage_cost
 
-    real = stage_planner.plan_sharding
+    real = stage_cost.plan_sharding
 
     def slow_free(graph, cost, axis_names, *, input_filters=None, **kw):
         plan = real(graph, cost, axis_names, input_filters=input_filters, **kw)
@@ -352,7 +352,7 @@ def test_refine_replans_the_memory_lean_column_whole(monkeypatch):
             return plan
         return dataclasses.replace(plan, compute_time=100 * plan.compute_time)
 
-    monkeypatch.setattr(stage_planner, "plan_sharding", slow_free)
+    monkeypatch.setattr(stage_cost, "plan_sharding", slow_free)
     step, args = _mlp_args(width=256, batch=64)
 
     def plan(stage_option, layout="auto"):
@@ -379,7 +379,7 @@ def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
     here: the submesh (1, 4) has three configs); a bound no config misses re-plans them
     all, exactly as None does; re-planning more configs is never worse."""
     import alpa_mini
-    from alpa_mini.pipeline.stage_search import stage_configs
+    from alpa_mini.pipeline.stage_configs import stage_configs
 
     step, args = _mlp_args(width=512, batch=256)
 

@@ -321,7 +321,7 @@ def test_recomputed_blocks_keep_fewer_activations_and_pay_a_forward_pass():
 
 def test_model_parallel_in_host_logical_shapes():
     """Every (n / k, k) with k dividing a host's devices, 1-D first; a superset of "auto"."""
-    from alpa_mini.pipeline.stage_search import logical_shapes
+    from alpa_mini.pipeline.stage_configs import logical_shapes
 
     space = "model_parallel_in_host"
     assert logical_shapes((2, 8), space) == [(16,), (8, 2), (4, 4), (2, 8)]

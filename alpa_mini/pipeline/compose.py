@@ -1,0 +1,150 @@
+"""Stage costs composed from per-layer ILPs (individual profiling): running sums of layer
+latencies and the resharding between layers inside a range, with a memory bound; and the
+configs worth re-planning whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..shard.spec import ShardingSpec
+from .stage_cost import StageCost
+from .stage_slice import is_float
+
+
+@dataclass
+class _LayerTable:
+    """Per-layer ILP results on one (submesh, logical mesh), and the resharding time between
+    the layout a layer hands a value on in and the layout a later layer reads it in."""
+
+    costs: list[StageCost | None]
+    reshard_into: list[list[tuple[int, float]]]  # layer b -> [(producer layer a, seconds)]
+
+
+def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _LayerTable:
+    L = len(starts)
+    costs = [model.cost(starts[k], ends[k], sub, logical, layout) for k in range(L)]
+    cm = model.cost_model(sub, logical)
+    producer: dict[Any, tuple[int, int]] = {}
+    for a in range(L):
+        for o, v in enumerate(model.slice(starts[a], ends[a]).outvars):
+            producer[v] = (a, o)
+    into: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    for b in range(L):
+        cb = costs[b]
+        if cb is None:
+            continue
+        for k, v in enumerate(model.slice(starts[b], ends[b]).invars):
+            a, o = producer.get(v, (None, 0))
+            ca = None if a is None else costs[a]
+            if ca is None or ca.out_specs[o] is None or cb.in_specs[k] is None:
+                continue
+            src, dst = ca.out_specs[o], cb.in_specs[k]
+            shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+            t = cm.reshard(shape, size, src, dst)
+            if is_float(v.aval):  # its cotangent travels back the other way
+                t += cm.reshard(shape, size, dst, src)
+            if t > 0:
+                into[b].append((a, t))
+    return _LayerTable(costs, into)
+
+
+def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
+    """Individual-mode costs of layers ``i..j`` for every ``j >= i``, by running sums:
+    per-layer latencies plus the resharding between layers inside the range.
+
+    Memory: while layer k runs inside the stage, every other layer j holds at most H_j (its
+    parameters, their gradients and its residuals; ``_held_bytes``), and layer k itself at
+    most its own peak. So the stage peaks at sum(H) + max_k(peak_k - H_k): the transients
+    count once, not once per layer as a plain sum of per-layer peaks would."""
+    out: list[StageCost | None] = []
+    lat = held = res = state = 0.0
+    transient = -math.inf
+    for j in range(i, len(table.costs)):
+        p = table.costs[j]
+        if p is None:
+            out.extend([None] * (len(table.costs) - j))
+            break
+        lat += p.latency + sum(t for a, t in table.reshard_into[j] if a >= i)
+        h = _held_bytes(p)
+        held, transient = held + h, max(transient, p.peak_memory - h)
+        res, state = res + p.residual_bytes, state + p.state_bytes
+        out.append(StageCost(lat, held + transient, res, state))
+    return out
+
+
+def _held_bytes(sc: StageCost) -> float:
+    """Bytes per device one layer holds while the other layers of its stage run: its
+    parameters and their gradients in the layouts its ILP chose, and its residuals. Without
+    its plan, its whole peak (the plain sum, as before)."""
+    plan = sc.plan
+    if plan is None:
+        return sc.peak_memory
+    params = sum(
+        math.prod(t.shape)
+        * np.dtype(t.dtype).itemsize
+        / (t.spec.num_shards(plan.mesh_shape) if t.spec is not None else 1)
+        for t in plan.tensors
+        if t.role == "param"
+    )
+    return 2 * params + sc.residual_bytes  # a gradient has its parameter's size
+
+
+def _refine_configs(model, tables, starts, ends, stage, configs, within: float | None):
+    """The configs of a chosen stage's submesh that ``refine`` re-plans whole: all of them,
+    or (``within``) those whose composed estimate is within that fraction of the chosen
+    config's, the chosen one first."""
+    cfgs = configs[stage.submesh_index]
+    if within is None:
+        return list(cfgs)
+    i, j = stage.layer_start, stage.layer_end
+
+    def estimate(ci: int) -> float:
+        table = tables.get((stage.submesh_index, ci))
+        est = None if table is None else _composed_stage(model, table, starts, ends, i, j)
+        return math.inf if est is None else est.latency
+
+    limit = estimate(stage.config_index) * (1.0 + within)
+    others = [c for ci, c in enumerate(cfgs) if ci != stage.config_index and estimate(ci) <= limit]
+    return [cfgs[stage.config_index], *others]
+
+
+def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> StageCost | None:
+    """The composed cost of layers ``i..j`` plus the layouts at the stage's edges: each value
+    the stage reads takes the layout of the first layer that reads it; each value it hands on,
+    its producer's."""
+    sc = _composed_row(table, i)[j - i]
+    if sc is None:
+        return None
+    stage = model.slice(starts[i], ends[j])
+    read_as: dict[Any, ShardingSpec | None] = {}
+    made_as: dict[Any, ShardingSpec | None] = {}
+    read_later: set[Any] = set()
+    for k in range(i, j + 1):
+        sl, layer = model.slice(starts[k], ends[k]), table.costs[k]
+        for v, spec in zip(sl.invars, layer.in_specs, strict=True):
+            read_as.setdefault(v, spec)
+            if k > i:
+                read_later.add(v)
+        made_as.update(zip(sl.outvars, layer.out_specs, strict=True))
+    # Values handed from one layer to a later one inside the stage keep their producer's
+    # layout, as the composed cost assumed (the consumer's reshard is priced from it).
+    site = model.result_sites()
+    inner = tuple(
+        sorted(
+            (*site[v], spec)
+            for v, spec in made_as.items()
+            if spec is not None and v in read_later and v in site
+        )
+    )
+    return dataclasses.replace(
+        sc,
+        in_specs=tuple(read_as.get(v) for v in stage.invars),
+        out_specs=tuple(made_as.get(v) for v in stage.outvars),
+        inner_specs=inner,
+    )

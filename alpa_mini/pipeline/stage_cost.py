@@ -1,0 +1,445 @@
+"""What one stage costs: the per-stage ILP of a slice's forward + backward on a (submesh,
+logical mesh, layout), cached by structural hash and solved ahead on a thread pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+
+from ..cluster.spec import ClusterSpec
+from ..errors import MemoryBudgetError
+from ..graph.grad_capture import GradCapture
+from ..graph.tracing import trace_jaxpr
+from ..options.pipeshard import (
+    AutoStageOption,
+    PipeshardParallel,
+)
+from ..shard.cost_model import CostModel
+from ..shard.plan import ShardingPlan
+from ..shard.problem import plan_sharding
+from ..shard.spec import ShardingSpec
+from ..shard.strategies import ELEMENTWISE
+from .layers import (
+    eval_eqns,
+    layer_hash,
+)
+from .stage_configs import StageConfig
+from .stage_slice import slice_stage
+
+__all__ = ["PlanningCounters", "StageCost"]
+
+
+AXIS_NAMES = ("x", "y", "z")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """ILP result for one (layer range, submesh, logical mesh): latency and memory."""
+
+    latency: float
+    peak_memory: float  # one micro-batch's forward + backward, parameters and gradients included
+    residual_bytes: float  # per device, per micro-batch held between forward and backward
+    state_bytes: float  # optimiser state per device
+    plan: ShardingPlan | None = None
+    in_specs: tuple[ShardingSpec | None, ...] = ()
+    out_specs: tuple[ShardingSpec | None, ...] = ()
+    # (equation, result, spec): layouts the ILP chose for values inside the stage (individual
+    # mode: each layer's results that later layers of the stage read).
+    inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()
+
+    def memory(self, in_flight: int) -> float:
+        return self.peak_memory + self.state_bytes + max(in_flight - 1, 0) * self.residual_bytes
+
+
+@dataclass
+class PlanningCounters:
+    """What planning cost so far: ILPs really solved, stage costs needed (the DP table's cells
+    for auto stages, one per stage otherwise), lookups the structural-hash cache answered,
+    and seconds building op graphs, in ILPs (summed over threads) and in the stage DP."""
+
+    ilps_solved: int = 0
+    cost_entries: int = 0
+    cache_hits: int = 0
+    graph_seconds: float = 0.0
+    ilp_seconds: float = 0.0
+    dp_seconds: float = 0.0
+
+
+class _StageModel:
+    """Builds and solves the per-stage ILP for equation ranges of the forward."""
+
+    def __init__(
+        self,
+        forward: ClosedJaxpr,
+        capture: GradCapture,
+        cluster: ClusterSpec,
+        method: PipeshardParallel,
+        state_bytes_total: float,
+        param_bytes_total: float,
+    ) -> None:
+        self.forward, self.capture, self.cluster, self.method = forward, capture, cluster, method
+        self.consts = dict(zip(forward.jaxpr.constvars, forward.consts, strict=True))
+        self.loss_in = {v: j for j, v in enumerate(forward.jaxpr.invars)}
+        self.state_ratio = state_bytes_total / param_bytes_total if param_bytes_total else 0.0
+        self.cache: dict[Any, StageCost | None] = {}
+        self._slices: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[Any, tuple[Any, float, float]] = {}
+        self._cost_models: dict[Any, CostModel] = {}
+        self._fresh: set[Any] = set()
+        self._sites: dict[Any, tuple[int, int]] | None = None
+        # Preset (pinned-layout) ILPs by (structure, submesh, logical mesh, layout, batch
+        # axis): the memory-lean ZeRO-3 column and the free MIP's ZeRO-3 fallback are the same
+        # ILP, and prefetch threads may ask for it at once; it is solved once.
+        self._presets: dict[Any, Future] = {}
+        self._lock = threading.Lock()
+        self.stats = PlanningCounters()
+
+    def _io(self, start: int, end: int) -> tuple[Any, ...]:
+        hit = self._slices.get((start, end))
+        if hit is not None:
+            return hit
+        sl = slice_stage(self.forward.jaxpr, start, end, self.capture.diff)
+        diff_in, nondiff_in = list(sl.diff_in), list(sl.nondiff_in)
+        diff_out, nondiff_out = list(sl.diff_out), list(sl.nondiff_out)
+        # Equal equations are not enough: whether each input is a parameter, a batch input or
+        # an activation, and which values need cotangents, change the forward + backward.
+        diff = set(diff_in) | set(diff_out)
+        kinds = tuple(
+            "const" if v in self.consts else (v in diff, self._role(v)) for v in sl.invars
+        )
+        key = (
+            layer_hash(sl.eqns, sl.invars, sl.outvars),
+            kinds,
+            tuple(v in diff for v in sl.outvars),
+        )
+        out = self._slices[(start, end)] = (sl, diff_in, nondiff_in, diff_out, nondiff_out, key)
+        return out
+
+    def result_sites(self) -> dict[Any, tuple[int, int]]:
+        """Each forward variable's (equation, result index)."""
+        if self._sites is None:
+            self._sites = {
+                v: (e, o)
+                for e, eqn in enumerate(self.forward.jaxpr.eqns)
+                for o, v in enumerate(eqn.outvars)
+            }
+        return self._sites
+
+    def _role(self, v: Any) -> str:
+        """The op-graph role of a stage input: activations arrive like a batch."""
+        j = self.loss_in.get(v)
+        if j is None:
+            return "batch"
+        if self.capture.diff[j]:
+            return "param"
+        return "batch" if self.capture.batch[j] else "state"
+
+    def slice(self, start: int, end: int) -> Any:
+        """The ``StageSlice`` of equations ``[start, end)`` (cached)."""
+        return self._io(start, end)[0]
+
+    def cost(
+        self,
+        start: int,
+        end: int,
+        submesh: tuple[int, int],
+        logical: tuple[int, ...],
+        layout: str = "auto",
+    ) -> StageCost | None:
+        io = self._io(start, end)
+        key = (*io[5], submesh, logical, layout)
+        if key in self.cache:
+            if key in self._fresh:  # solved ahead by ``prefetch``: this is its first use
+                self._fresh.discard(key)
+            else:
+                self.stats.cache_hits += 1
+            return self.cache[key]
+        result = self._solve(io, submesh, logical, layout)
+        self.cache[key] = result
+        return result
+
+    def prefetch(self, requests: Sequence[tuple[int, int, tuple[int, int], StageConfig]]) -> None:
+        """Solve the distinct ILPs behind ``requests`` (start, end, submesh, config) on a
+        thread pool, so that later ``cost`` calls find them cached.
+
+        HiGHS releases the GIL while it solves, so one thread's LP overlaps another's Python
+        model building: about 1.7x on two cores. The op graphs are traced first, here, since
+        JAX tracing is left to the calling thread.
+        """
+        todo: dict[Any, tuple[Any, tuple[int, int], tuple[int, ...], str]] = {}
+        for start, end, submesh, (logical, layout) in requests:
+            io = self._io(start, end)
+            key = (*io[5], submesh, logical, layout)
+            if key not in self.cache:
+                self._graph(io)
+                todo.setdefault(key, (io, submesh, logical, layout))
+        workers = min(len(todo), _cpu_count())
+        if workers <= 1:
+            return
+        # Largest first (more mesh axes, more nodes), so that no big ILP starts last.
+        keys = sorted(todo, key=lambda k: (-len(todo[k][2]), -len(todo[k][0][0].eqns)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(lambda k: self._solve(*todo[k]), keys))
+        for key, result in zip(keys, results, strict=True):
+            self.cache[key] = result
+            self._fresh.add(key)
+
+    def cost_model(self, submesh: tuple[int, int], logical: tuple[int, ...]) -> CostModel:
+        """One cost model per mesh, so its resharding cache serves every layer planned there."""
+        key = (submesh, logical)
+        with self._lock:
+            if key not in self._cost_models:
+                mesh = self.cluster.logical_mesh(logical, submesh)
+                self._cost_models[key] = CostModel(self.cluster, mesh)
+            return self._cost_models[key]
+
+    def _graph(self, io: tuple[Any, ...]) -> tuple[Any, float, float]:
+        """The op graph of the slice's forward + backward for one micro-batch, its residual
+        bytes and parameter bytes; traced once per structural hash (it does not depend on the
+        mesh)."""
+        hit = self._graphs.get(io[5])
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
+        consts = {v: c for v, c in self.consts.items() if v in set(sl.invars)}
+
+        def f_of(nd: Sequence[Any]) -> Callable[..., Any]:
+            def f(*dvals: Any) -> tuple[list[Any], list[Any]]:
+                env: dict[Any, Any] = dict(consts)
+                env.update(zip(diff_in, dvals, strict=True))
+                env.update(zip(nondiff_in, nd, strict=True))
+                eval_eqns(sl.eqns, env)
+                return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
+
+            return f
+
+        nd_n = len(diff_in)
+
+        def train(*args: Any) -> list[Any]:
+            d, nd, cts = (
+                args[:nd_n],
+                args[nd_n : nd_n + len(nondiff_in)],
+                args[nd_n + len(nondiff_in) :],
+            )
+            outs_d, vjp_fn, outs_nd = jax.vjp(f_of(nd), *d, has_aux=True)
+            grads = vjp_fn(list(cts))
+            return [*outs_d, *outs_nd, *grads]
+
+        def residuals(*args: Any) -> Any:
+            d, nd = args[:nd_n], args[nd_n:]
+            return jax.vjp(f_of(nd), *d, has_aux=True)[1]
+
+        avals = [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v in (*diff_in, *nondiff_in, *diff_out)
+        ]
+        closed = jax.make_jaxpr(train)(*avals)
+        roles = [self._role(v) for v in (*diff_in, *nondiff_in)]
+        roles += ["batch"] * len(diff_out)
+        names = [f"in{k}" for k in range(len(roles))]
+        graph = trace_jaxpr(closed, roles, names)
+        param_bytes = sum(
+            _nbytes(v.aval)
+            for v in diff_in
+            if v in self.loss_in and self.capture.diff[self.loss_in[v]]
+        )
+        res_tree = jax.eval_shape(residuals, *avals[: nd_n + len(nondiff_in)])
+        res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree))
+        out = self._graphs[io[5]] = (graph, res_bytes, param_bytes)
+        with self._lock:
+            self.stats.graph_seconds += time.perf_counter() - t0
+        return out
+
+    def _solve(
+        self,
+        io: tuple[Any, ...],
+        submesh: tuple[int, int],
+        logical: tuple[int, ...],
+        layout: str = "auto",
+    ) -> StageCost | None:
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
+        graph, res_total, param_bytes = self._graph(io)
+        n_dev = submesh[0] * submesh[1]
+        cost = self.cost_model(submesh, logical)
+        opt = self.method.default_auto_sharding_option
+        if layout != "auto":  # a memory-lean configuration pins a preset's layouts
+            opt = dataclasses.replace(opt, layout=layout, batch_axis=None)
+        budget = _budget(self.method, self.cluster)
+        # Optimiser state is sharded over the stage's devices, except under plain data
+        # parallelism, which keeps a whole copy on every device.
+        state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
+        roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
+        filters = None
+        if opt.layout != "auto" or opt.batch_axis is not None:  # a preset pins input layouts
+            filters = [
+                opt.input_filter(role, graph.tensors[t].shape, logical)
+                for role, t in zip(roles, graph.inputs, strict=True)
+            ]
+        # Input k of a parameter has its gradient at output first_grad + k. With
+        # gradient_sync="ilp" the two are tied, so the ILP prices (and avoids) the all-reduce
+        # or gather that brings the gradient into the parameter's layout.
+        first_grad = len(diff_out) + len(nondiff_out)
+        params = [k for k in range(len(diff_in)) if roles[k] == "param"]
+        tie = self.method.gradient_sync == "ilp"
+        aliases = [(k, first_grad + k) for k in params] if tie else []
+
+        def solve(filters: list[Any] | None, preset: Any = None) -> ShardingPlan | str:
+            """The plan, or why there is none: "memory" or "time". ``preset`` (the pinning
+            method) names a restricted ILP, which is solved once per stage model."""
+            if preset is None:
+                return run(filters)
+            key = (io[5], submesh, logical, preset.layout, preset.batch_axis)
+            with self._lock:
+                future = self._presets.get(key)
+                mine = future is None
+                if mine:
+                    future = self._presets[key] = Future()
+            if mine:
+                try:
+                    future.set_result(run(filters))
+                except BaseException as err:  # ValueError: no such layout; waiters see it too
+                    future.set_exception(err)
+            return future.result()
+
+        def run(filters: list[Any] | None) -> ShardingPlan | str:
+            with self._lock:
+                self.stats.ilps_solved += 1
+            t0 = time.perf_counter()
+            try:
+                return plan_sharding(
+                    graph,
+                    cost,
+                    AXIS_NAMES[: len(logical)],
+                    input_filters=filters,
+                    aliases=aliases,
+                    memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
+                    backend=opt.backend,
+                    time_limit=opt.time_limit,
+                )
+            except MemoryBudgetError as err:
+                return "time" if err.timed_out else "memory"
+            finally:
+                with self._lock:
+                    self.stats.ilp_seconds += time.perf_counter() - t0
+
+        try:
+            plan = solve(filters, None if filters is None else opt)
+        except ValueError:
+            if layout == "auto":
+                raise
+            return None  # some input has no layout under this preset (e.g. batch 6 on 4)
+        unproven = plan == "time" or (
+            isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
+        )
+        if filters is None and unproven:
+            # The free MIP stopped unproven (or found nothing in time). Two restrictions of
+            # the free space make far easier MIPs: ZeRO-3's layouts (parameters and state
+            # fully sharded, the batch split), and Megatron's (the batch split on the mesh's
+            # first axis, everything else free). Keep whichever plan is fastest.
+            for pinned in (
+                dataclasses.replace(opt, layout="zero3", batch_axis=None),
+                dataclasses.replace(opt, layout="auto", batch_axis=0),
+            ):
+                pins = [
+                    pinned.input_filter(role, graph.tensors[t].shape, logical)
+                    for role, t in zip(roles, graph.inputs, strict=True)
+                ]
+                if all(p is None for p in pins):
+                    continue  # nothing pinned (a mesh whose first axis is 1): the free MIP
+                try:
+                    other = solve(pins, pinned)
+                except ValueError:  # some input has no such layout (e.g. batch 6 on 4)
+                    continue
+                if isinstance(other, ShardingPlan) and (
+                    not isinstance(plan, ShardingPlan) or other.predicted_time < plan.predicted_time
+                ):
+                    plan = other
+        if not isinstance(plan, ShardingPlan):
+            return None  # this stage does not fit here; the DP sees an infinite cost
+        in_spec_of = {
+            v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
+        }
+        out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
+        return StageCost(
+            latency=plan.predicted_time
+            + (0.0 if tie else _gradient_sync(plan, cost, diff_in, params, first_grad))
+            + (cost.program_overhead(_kernels(graph), 0) if self.cluster.profile else 0.0),
+            peak_memory=plan.peak_memory,
+            residual_bytes=res_total / n_dev,
+            state_bytes=state,
+            plan=plan,
+            in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
+            out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
+        )
+
+
+#: Primitives XLA fuses into a neighbouring kernel (elementwise, layout-only): they add no
+#: kernel of their own to a program's per-kernel overhead.
+_FUSED = ELEMENTWISE | {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "iota",
+    "slice",
+    "transpose",
+}
+
+
+def _kernels(graph) -> float:
+    """Kernels a stage program runs, roughly: its operations that XLA does not fuse away."""
+    return sum(n.multiplier for n in graph.nodes if n.kind == "op" and n.primitive not in _FUSED)
+
+
+def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:
+    """Seconds to bring each parameter's gradient into the parameter's layout, where the
+    optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
+    replicated one), priced after the solve (``gradient_sync="after"``: tying it inside the
+    ILP made GPT-39B's planning 9.6 s -> 88 s)."""
+    seconds = 0.0
+    for k in params:
+        grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
+        if grad is None or param is None or grad == param:
+            continue
+        aval = diff_in[k].aval
+        seconds += cost.reshard(tuple(aval.shape), np.dtype(aval.dtype).itemsize, grad, param)
+    return seconds
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _nbytes(aval: Any) -> float:
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def _budget(method: PipeshardParallel, cluster: ClusterSpec) -> float:
+    so = method.stage_option
+    if isinstance(so, AutoStageOption) and so.memory_budget is not None:
+        return so.memory_budget
+    return method.default_auto_sharding_option.memory_budget or cluster.device.memory_bytes
+
+
+def _with_launches(model, sc: StageCost, sub: tuple[int, int], logical) -> StageCost:
+    """``sc`` with the start cost of its two programs per micro-batch (forward, backward):
+    once per stage, so it is added to whole stages and compositions, never to the per-layer
+    costs a composition sums."""
+    extra = model.cost_model(sub, logical).program_overhead(0.0, launches=2)
+    return sc if extra == 0 else dataclasses.replace(sc, latency=sc.latency + extra)
