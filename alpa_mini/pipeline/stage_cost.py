@@ -270,10 +270,30 @@ class _StageModel:
         logical: tuple[int, ...],
         layout: str = "auto",
     ) -> StageCost | None:
-        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
+        """The stage's cost on (submesh, logical mesh, layout), or None when nothing fits."""
+        job = self._job(io, submesh, logical, layout)
+        try:
+            plan = self._solve_once(job, job.filters, None if job.filters is None else job.opt)
+        except ValueError:
+            if layout == "auto":
+                raise
+            return None  # some input has no layout under this preset (e.g. batch 6 on 4)
+        unproven = plan == "time" or (
+            isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
+        )
+        if job.filters is None and unproven:
+            plan = self._restricted(job, plan)
+        if not isinstance(plan, ShardingPlan):
+            return None  # this stage does not fit here; the DP sees an infinite cost
+        return self._stage_cost(io, job, plan)
+
+    def _job(
+        self, io: tuple[Any, ...], submesh: tuple[int, int], logical: tuple[int, ...], layout: str
+    ) -> _StageJob:
+        """Everything the stage's ILPs on one (submesh, logical mesh, layout) share."""
+        _, diff_in, nondiff_in, diff_out, nondiff_out, key = io
         graph, res_total, param_bytes = self._graph(io)
         n_dev = submesh[0] * submesh[1]
-        cost = self.cost_model(submesh, logical)
         opt = self.method.default_auto_sharding_option
         if layout != "auto":  # a memory-lean configuration pins a preset's layouts
             opt = dataclasses.replace(opt, layout=layout, batch_axis=None)
@@ -284,106 +304,142 @@ class _StageModel:
         roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
         filters = None
         if opt.layout != "auto" or opt.batch_axis is not None:  # a preset pins input layouts
-            filters = [
-                opt.input_filter(role, graph.tensors[t].shape, logical)
-                for role, t in zip(roles, graph.inputs, strict=True)
-            ]
+            filters = _pins(opt, graph, roles, logical)
         # Input k of a parameter has its gradient at output first_grad + k. With
         # gradient_sync="ilp" the two are tied, so the ILP prices (and avoids) the all-reduce
         # or gather that brings the gradient into the parameter's layout.
         first_grad = len(diff_out) + len(nondiff_out)
         params = [k for k in range(len(diff_in)) if roles[k] == "param"]
         tie = self.method.gradient_sync == "ilp"
-        aliases = [(k, first_grad + k) for k in params] if tie else []
-
-        def solve(filters: list[Any] | None, preset: Any = None) -> ShardingPlan | str:
-            """The plan, or why there is none: "memory" or "time". ``preset`` (the pinning
-            method) names a restricted ILP, which is solved once per stage model."""
-            if preset is None:
-                return run(filters)
-            key = (io[5], submesh, logical, preset.layout, preset.batch_axis)
-            with self._lock:
-                future = self._presets.get(key)
-                mine = future is None
-                if mine:
-                    future = self._presets[key] = Future()
-            if mine:
-                try:
-                    future.set_result(run(filters))
-                except BaseException as err:  # ValueError: no such layout; waiters see it too
-                    future.set_exception(err)
-            return future.result()
-
-        def run(filters: list[Any] | None) -> ShardingPlan | str:
-            with self._lock:
-                self.stats.ilps_solved += 1
-            t0 = time.perf_counter()
-            try:
-                return plan_sharding(
-                    graph,
-                    cost,
-                    AXIS_NAMES[: len(logical)],
-                    input_filters=filters,
-                    aliases=aliases,
-                    memory_budget=None if math.isinf(budget) else max(budget - state, 1.0),
-                    backend=opt.backend,
-                    time_limit=opt.time_limit,
-                )
-            except MemoryBudgetError as err:
-                return "time" if err.timed_out else "memory"
-            finally:
-                with self._lock:
-                    self.stats.ilp_seconds += time.perf_counter() - t0
-
-        try:
-            plan = solve(filters, None if filters is None else opt)
-        except ValueError:
-            if layout == "auto":
-                raise
-            return None  # some input has no layout under this preset (e.g. batch 6 on 4)
-        unproven = plan == "time" or (
-            isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
+        return _StageJob(
+            key=key,
+            submesh=submesh,
+            logical=logical,
+            graph=graph,
+            cost=self.cost_model(submesh, logical),
+            opt=opt,
+            roles=roles,
+            filters=filters,
+            params=params,
+            first_grad=first_grad,
+            tie=tie,
+            aliases=[(k, first_grad + k) for k in params] if tie else [],
+            memory=None if math.isinf(budget) else max(budget - state, 1.0),
+            state=state,
+            residual_bytes=res_total / n_dev,
         )
-        if filters is None and unproven:
-            # The free MIP stopped unproven (or found nothing in time). Two restrictions of
-            # the free space make far easier MIPs: ZeRO-3's layouts (parameters and state
-            # fully sharded, the batch split), and Megatron's (the batch split on the mesh's
-            # first axis, everything else free). Keep whichever plan is fastest.
-            for pinned in (
-                dataclasses.replace(opt, layout="zero3", batch_axis=None),
-                dataclasses.replace(opt, layout="auto", batch_axis=0),
+
+    def _solve_once(self, job: _StageJob, filters: list[Any] | None, preset: Any) -> Any:
+        """The plan, or why there is none: "memory" or "time". ``preset`` (the pinning
+        method) names a restricted ILP, which is solved once per stage model."""
+        if preset is None:
+            return self._run(job, filters)
+        key = (job.key, job.submesh, job.logical, preset.layout, preset.batch_axis)
+        with self._lock:
+            future = self._presets.get(key)
+            mine = future is None
+            if mine:
+                future = self._presets[key] = Future()
+        if mine:
+            try:
+                future.set_result(self._run(job, filters))
+            except BaseException as err:  # ValueError: no such layout; waiters see it too
+                future.set_exception(err)
+        return future.result()
+
+    def _run(self, job: _StageJob, filters: list[Any] | None) -> ShardingPlan | str:
+        with self._lock:
+            self.stats.ilps_solved += 1
+        t0 = time.perf_counter()
+        try:
+            return plan_sharding(
+                job.graph,
+                job.cost,
+                AXIS_NAMES[: len(job.logical)],
+                input_filters=filters,
+                aliases=job.aliases,
+                memory_budget=job.memory,
+                backend=job.opt.backend,
+                time_limit=job.opt.time_limit,
+            )
+        except MemoryBudgetError as err:
+            return "time" if err.timed_out else "memory"
+        finally:
+            with self._lock:
+                self.stats.ilp_seconds += time.perf_counter() - t0
+
+    def _restricted(self, job: _StageJob, plan: Any) -> Any:
+        """The free MIP stopped unproven (or found nothing in time). Two restrictions of the
+        free space make far easier MIPs: ZeRO-3's layouts (parameters and state fully
+        sharded, the batch split), and Megatron's (the batch split on the mesh's first axis,
+        everything else free). Keep whichever plan is fastest."""
+        for pinned in (
+            dataclasses.replace(job.opt, layout="zero3", batch_axis=None),
+            dataclasses.replace(job.opt, layout="auto", batch_axis=0),
+        ):
+            pins = _pins(pinned, job.graph, job.roles, job.logical)
+            if all(p is None for p in pins):
+                continue  # nothing pinned (a mesh whose first axis is 1): the free MIP
+            try:
+                other = self._solve_once(job, pins, pinned)
+            except ValueError:  # some input has no such layout (e.g. batch 6 on 4)
+                continue
+            if isinstance(other, ShardingPlan) and (
+                not isinstance(plan, ShardingPlan) or other.predicted_time < plan.predicted_time
             ):
-                pins = [
-                    pinned.input_filter(role, graph.tensors[t].shape, logical)
-                    for role, t in zip(roles, graph.inputs, strict=True)
-                ]
-                if all(p is None for p in pins):
-                    continue  # nothing pinned (a mesh whose first axis is 1): the free MIP
-                try:
-                    other = solve(pins, pinned)
-                except ValueError:  # some input has no such layout (e.g. batch 6 on 4)
-                    continue
-                if isinstance(other, ShardingPlan) and (
-                    not isinstance(plan, ShardingPlan) or other.predicted_time < plan.predicted_time
-                ):
-                    plan = other
-        if not isinstance(plan, ShardingPlan):
-            return None  # this stage does not fit here; the DP sees an infinite cost
+                plan = other
+        return plan
+
+    def _stage_cost(self, io: tuple[Any, ...], job: _StageJob, plan: ShardingPlan) -> StageCost:
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
         in_spec_of = {
             v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
         }
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
+        sync = (
+            0.0 if job.tie else _gradient_sync(plan, job.cost, diff_in, job.params, job.first_grad)
+        )
+        launches = (
+            job.cost.program_overhead(_kernels(job.graph), 0) if self.cluster.profile else 0.0
+        )
         return StageCost(
-            latency=plan.predicted_time
-            + (0.0 if tie else _gradient_sync(plan, cost, diff_in, params, first_grad))
-            + (cost.program_overhead(_kernels(graph), 0) if self.cluster.profile else 0.0),
+            latency=plan.predicted_time + sync + launches,
             peak_memory=plan.peak_memory,
-            residual_bytes=res_total / n_dev,
-            state_bytes=state,
+            residual_bytes=job.residual_bytes,
+            state_bytes=job.state,
             plan=plan,
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
         )
+
+
+@dataclass(frozen=True)
+class _StageJob:
+    """What the ILPs of one stage on one (submesh, logical mesh, layout) share."""
+
+    key: Any  # the slice's structural key
+    submesh: tuple[int, int]
+    logical: tuple[int, ...]
+    graph: Any
+    cost: CostModel
+    opt: Any  # the ShardParallel whose layout/backend/time limit the ILPs use
+    roles: list[str]
+    filters: list[Any] | None
+    params: list[int]  # input indices of parameters
+    first_grad: int  # output index of the first parameter's gradient
+    tie: bool  # gradient_sync="ilp": gradients tied to their parameters' layouts
+    aliases: list[tuple[int, int]]
+    memory: float | None  # the ILP's budget: the stage's minus optimiser state
+    state: float
+    residual_bytes: float
+
+
+def _pins(opt: Any, graph: Any, roles: list[str], logical: tuple[int, ...]) -> list[Any]:
+    """The input filters a preset method pins on the stage's graph."""
+    return [
+        opt.input_filter(role, graph.tensors[t].shape, logical)
+        for role, t in zip(roles, graph.inputs, strict=True)
+    ]
 
 
 #: Primitives XLA fuses into a neighbouring kernel (elementwise, layout-only): they add no

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,6 @@ FULL_MIP_MAX_COLUMNS = 3_000_000
 MAX_ALTERNATIVES = 6
 
 
-
 @dataclass(frozen=True, eq=False)
 class ShardingInstance:
     """A built problem and the strategy behind each of its choices."""
@@ -79,23 +79,47 @@ def build_sharding_problem(
     memory_budget: float | None = None,
 ) -> ShardingInstance:
     """The ILP instance of ``graph`` on ``cost.mesh``; see the module docstring."""
-    mesh_shape = cost.mesh.shape
     n_in, n_ops, n_out = len(graph.inputs), len(graph.nodes), len(graph.outputs)
-    input_filters = list(input_filters or [None] * n_in)
-    output_filters = list(output_filters or [None] * n_out)
     alias_of_output = {o: i for i, o in aliases}
-    strategies: list[tuple[Strategy, ...]] = []
+    twins = symmetric_axis_pairs(cost)
+    strategies = _input_strategies(graph, cost, list(input_filters or [None] * n_in), twins)
+    strategies += [_op_strategies(node, graph, cost) for node in graph.nodes]
+    filters = list(output_filters or [None] * n_out)
+    strategies += _output_strategies(graph, cost, filters, alias_of_output, twins)
+    edges, edge_info = _edges(graph, cost, strategies, alias_of_output)
+    names = [graph.tensors[t].name for t in graph.inputs]
+    names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
+    names += [f"out{k}" for k in range(n_out)]
+    problem = ShardingProblem.from_lists(
+        costs=[[s.compute + s.comm for s in strats] for strats in strategies],
+        usages=[[s.memory for s in strats] for strats in strategies],
+        intervals=_intervals(graph, set(donated)),
+        edges=list(edges.keys()),
+        edge_costs=[m.ravel() for m in edges.values()],
+        usage_limit=memory_budget,
+        name="alpa_mini",
+        node_names=names,
+        strategy_names=[[s.name for s in strats] for strats in strategies],
+    )
+    sinks = tuple(alias_of_output.get(k, n_in + n_ops + k) for k in range(n_out))
+    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info), sinks)
+
+
+def _input_strategies(
+    graph: OpGraph, cost: CostModel, filters: list[SpecFilter | None], twins: Any
+) -> list[tuple[Strategy, ...]]:
+    """The layouts each program input may take (a batch pays its host-to-device load)."""
+    mesh_shape = cost.mesh.shape
     # A batch arrives from the host every step: each device receives its own part, priced at
     # the intra-host link (the host-to-device path). State stays on the devices across steps.
     load = 1.0 / cost.cluster.intra_host.bandwidth
-    twins = symmetric_axis_pairs(cost)
+    out = []
     for i, t in enumerate(graph.inputs):
         tensor = graph.tensors[t]
-        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, input_filters[i], twins)
+        layouts = input_strategies(tensor.shape, tensor.nbytes, mesh_shape, filters[i], twins)
         if tensor.role == "batch":
             layouts = [dataclasses.replace(s, compute=s.memory * load) for s in layouts]
-        strategies.append(tuple(layouts))
-        if not strategies[-1]:
+        if not layouts:
             rule = {
                 "batch": "the batch's leading dim split over every mesh axis",
                 "param": "parameters split over every mesh axis",
@@ -106,36 +130,61 @@ def build_sharding_problem(
                 f"mesh {mesh_shape} that satisfies the method ({rule}); split dims must divide "
                 "evenly by the mesh axes they use"
             )
-    for node in graph.nodes:
-        if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
-            _warned.add(node.primitive)
-            log.warning(
-                "alpa_mini has no sharding rule for primitive %r; it runs replicated",
-                node.primitive,
-            )
-        strategies.append(tuple(node_strategies(node, graph, cost)))
+        out.append(tuple(layouts))
+    return out
+
+
+def _op_strategies(node: Any, graph: OpGraph, cost: CostModel) -> tuple[Strategy, ...]:
+    """An operator's strategies (warning once per primitive that has no sharding rule)."""
+    if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
+        _warned.add(node.primitive)
+        log.warning(
+            "alpa_mini has no sharding rule for primitive %r; it runs replicated", node.primitive
+        )
+    return tuple(node_strategies(node, graph, cost))
+
+
+def _output_strategies(
+    graph: OpGraph,
+    cost: CostModel,
+    filters: list[SpecFilter | None],
+    alias_of_output: dict[int, int],
+    twins: Any,
+) -> list[tuple[Strategy, ...]]:
+    """One sink per program output: the layouts it may be returned in."""
+    mesh_shape = cost.mesh.shape
+    out = []
     for k, t in enumerate(graph.outputs):
         tensor = graph.tensors[t]
-        filt = output_filters[k]
         if k in alias_of_output:
             # An updated state output is returned in its input's layout: its edge goes to the
-            # input's node (below), and this sink is a placeholder with one choice. (A
+            # input's node (see _edges), and this sink is a placeholder with one choice. (A
             # separate sink tied by an alias constraint is equivalent but makes a long cycle
             # that weakens the LP relaxation; HiGHS was 5-10x slower with it.)
             spec = ShardingSpec.replicated(len(tensor.shape))
-            strategies.append((Strategy("alias", (), (spec,), 0.0, 0.0, 0.0),))
+            out.append((Strategy("alias", (), (spec,), 0.0, 0.0, 0.0),))
             continue
-        outs = input_strategies(tensor.shape, 0, mesh_shape, filt, twins)
-        strategies.append(tuple(outs) or (input_strategies(tensor.shape, 0, mesh_shape)[0],))
+        outs = input_strategies(tensor.shape, 0, mesh_shape, filters[k], twins)
+        out.append(tuple(outs) or (input_strategies(tensor.shape, 0, mesh_shape)[0],))
+    return out
 
-    # ---------------------------------------------------------------- memory intervals
-    end_time = n_ops + 2
-    producer_ilp: dict[int, tuple[int, int]] = {}  # tensor -> (ILP node, result index)
+
+def _producers(graph: OpGraph) -> dict[int, tuple[int, int]]:
+    """Tensor -> (ILP node, result index) that defines it."""
+    n_in = len(graph.inputs)
+    producer: dict[int, tuple[int, int]] = {}
     for i, t in enumerate(graph.inputs):
-        producer_ilp.setdefault(t, (i, 0))
+        producer.setdefault(t, (i, 0))
     for node in graph.nodes:
         for k, t in enumerate(node.outputs):
-            producer_ilp[t] = (n_in + node.id, k)
+            producer[t] = (n_in + node.id, k)
+    return producer
+
+
+def _intervals(graph: OpGraph, donated: set[int]) -> list[tuple[int, int]]:
+    """Each ILP node's live interval: inputs from the start (donated ones until their last
+    use), an operator's results from its step to their last use, sinks at the end."""
+    end_time = len(graph.nodes) + 2
     last_use: dict[int, int] = {}
     for node in graph.nodes:
         for t in node.inputs:
@@ -143,85 +192,86 @@ def build_sharding_problem(
                 last_use[t] = max(last_use.get(t, 0), node.id + 1)
     for t in graph.outputs:
         last_use[t] = end_time
-    donated_set = set(donated)
     intervals = []
     for i, t in enumerate(graph.inputs):
-        end = last_use.get(t, 1) + 1 if i in donated_set else end_time
+        end = last_use.get(t, 1) + 1 if i in donated else end_time
         intervals.append((0, end))
     for node in graph.nodes:
         start = node.id + 1
         end = max([last_use.get(t, start) + 1 for t in node.outputs] + [start + 1])
         intervals.append((start, end))
-    intervals += [(end_time, end_time)] * n_out
+    return intervals + [(end_time, end_time)] * len(graph.outputs)
 
-    # ---------------------------------------------------------------- edges
+
+def _edges(
+    graph: OpGraph,
+    cost: CostModel,
+    strategies: list[tuple[Strategy, ...]],
+    alias_of_output: dict[int, int],
+) -> tuple[dict[tuple[int, int], np.ndarray], list[tuple[int, int, int, int, float]]]:
+    """Resharding cost matrices between producers and readers (parallel edges summed), and
+    (producer, reader, operand, tensor, weight) of every read."""
+    n_in, n_ops = len(graph.inputs), len(graph.nodes)
+    producer = _producers(graph)
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_info = []
 
-    def add_edge(u: int, v: int, matrix: np.ndarray) -> None:
-        if u == v or not np.any(matrix):
-            if u != v:
-                edges.setdefault((u, v), np.zeros_like(matrix))
-            return
-        if (u, v) in edges:
-            edges[(u, v)] = edges[(u, v)] + matrix
-        elif (v, u) in edges:
-            edges[(v, u)] = edges[(v, u)] + matrix.T
-        else:
-            edges[(u, v)] = matrix
-
-    def reshard_matrix(
-        t: int, src: Sequence[ShardingSpec], dst: Sequence[ShardingSpec | None], weight: float
-    ) -> np.ndarray:
-        tensor = graph.tensors[t]
-        src_u = list(dict.fromkeys(src))
-        dst_u = list(dict.fromkeys(d for d in dst if d is not None))
-        table = np.zeros((len(src_u), len(dst_u) + 1))
-        if dst_u:
-            table[:, :-1] = cost.reshard_table(tensor.shape, tensor.itemsize, src_u, dst_u)
-        src_at = {spec: i for i, spec in enumerate(src_u)}
-        dst_at = {spec: i for i, spec in enumerate(dst_u)}
-        si = np.array([src_at[s] for s in src])
-        di = np.array([len(dst_u) if d is None else dst_at[d] for d in dst])
-        return table[np.ix_(si, di)] * weight
+    def add(v: int, k: int, t: int, dst: list[Any], w: float) -> None:
+        tu, idx = producer[t]
+        src = [s.out_specs[idx] for s in strategies[tu]]
+        matrix = _reshard_matrix(graph, cost, t, src, dst, w)
+        _add_edge(edges, tu, v, matrix)
+        edge_info.append((tu, v, k, t, w))
 
     for node in graph.nodes:
         v = n_in + node.id
         for k, t in enumerate(node.inputs):
-            if t is None or t not in producer_ilp or graph.tensors[t].role == "const":
+            if t is None or t not in producer or graph.tensors[t].role == "const":
                 continue
-            u, idx = producer_ilp[t]
-            w = node.weight(k)
-            src = [s.out_specs[idx] for s in strategies[u]]
-            dst = [s.in_specs[k] for s in strategies[v]]
-            add_edge(u, v, reshard_matrix(t, src, dst, w))
-            edge_info.append((u, v, k, t, w))
+            add(v, k, t, [s.in_specs[k] for s in strategies[v]], node.weight(k))
     for k, t in enumerate(graph.outputs):
-        if graph.tensors[t].role == "const" or t not in producer_ilp:
+        if graph.tensors[t].role == "const" or t not in producer:
             continue
-        u, idx = producer_ilp[t]
         v = alias_of_output.get(k, n_in + n_ops + k)
-        src = [s.out_specs[idx] for s in strategies[u]]
-        dst = [s.out_specs[0] for s in strategies[v]]
-        add_edge(u, v, reshard_matrix(t, src, dst, 1.0))
-        edge_info.append((u, v, 0, t, 1.0))
+        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], 1.0)
+    return edges, edge_info
 
-    names = [graph.tensors[t].name for t in graph.inputs]
-    names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
-    names += [f"out{k}" for k in range(n_out)]
-    problem = ShardingProblem.from_lists(
-        costs=[[s.compute + s.comm for s in strats] for strats in strategies],
-        usages=[[s.memory for s in strats] for strats in strategies],
-        intervals=intervals,
-        edges=list(edges.keys()),
-        edge_costs=[m.ravel() for m in edges.values()],
-        usage_limit=memory_budget,
-        name="alpa_mini",
-        node_names=names,
-        strategy_names=[[s.name for s in strats] for strats in strategies],
-    )
-    sinks = tuple(alias_of_output.get(k, n_in + n_ops + k) for k in range(n_out))
-    return ShardingInstance(problem, tuple(strategies), n_in, n_ops, tuple(edge_info), sinks)
+
+def _add_edge(edges: dict[tuple[int, int], np.ndarray], u: int, v: int, matrix: np.ndarray) -> None:
+    """Add ``matrix`` to the edge u-v (stored once per unordered pair)."""
+    if u == v or not np.any(matrix):
+        if u != v:
+            edges.setdefault((u, v), np.zeros_like(matrix))
+        return
+    if (u, v) in edges:
+        edges[(u, v)] = edges[(u, v)] + matrix
+    elif (v, u) in edges:
+        edges[(v, u)] = edges[(v, u)] + matrix.T
+    else:
+        edges[(u, v)] = matrix
+
+
+def _reshard_matrix(
+    graph: OpGraph,
+    cost: CostModel,
+    t: int,
+    src: Sequence[ShardingSpec],
+    dst: Sequence[ShardingSpec | None],
+    weight: float,
+) -> np.ndarray:
+    """Seconds to move tensor ``t`` from each source layout to each destination (None: the
+    reader takes any layout, free), priced once per distinct pair."""
+    tensor = graph.tensors[t]
+    src_u = list(dict.fromkeys(src))
+    dst_u = list(dict.fromkeys(d for d in dst if d is not None))
+    table = np.zeros((len(src_u), len(dst_u) + 1))
+    if dst_u:
+        table[:, :-1] = cost.reshard_table(tensor.shape, tensor.itemsize, src_u, dst_u)
+    src_at = {spec: i for i, spec in enumerate(src_u)}
+    dst_at = {spec: i for i, spec in enumerate(dst_u)}
+    si = np.array([src_at[s] for s in src])
+    di = np.array([len(dst_u) if d is None else dst_at[d] for d in dst])
+    return table[np.ix_(si, di)] * weight
 
 
 def plan_sharding(
@@ -295,72 +345,13 @@ def read_plan(
 ) -> ShardingPlan:
     """Turn a solver choice into a ``ShardingPlan``."""
     chosen = [inst.strategies[v][c] for v, c in enumerate(sol.choice)]
-    n_in, n_ops = inst.num_inputs, inst.num_ops
-    specs: list[ShardingSpec | None] = [None] * len(graph.tensors)
-    for i, t in enumerate(graph.inputs):
-        specs[t] = chosen[i].out_specs[0]
-    for node in graph.nodes:
-        for k, t in enumerate(node.outputs):
-            specs[t] = chosen[n_in + node.id].out_specs[k]
     alternatives = _alternatives(inst, sol, memory_budget, axis_names)
-    producer: dict[int, int] = {t: n.id for n in graph.nodes for t in n.outputs}
-    input_alts: dict[int, tuple[Alternative, ...]] = {}
-    for i, t in enumerate(graph.inputs):
-        input_alts.setdefault(t, alternatives[i])
-    tensors = tuple(
-        TensorPlan(
-            t.name,
-            t.shape,
-            t.dtype,
-            t.role,
-            None if t.role == "const" else specs[t.id],
-            producer.get(t.id),
-            input_alts.get(t.id, ()),
-        )
-        for t in graph.tensors
-    )
-    nodes = tuple(
-        NodePlan(
-            n.primitive,
-            chosen[n_in + n.id].name,
-            chosen[n_in + n.id].in_specs,
-            chosen[n_in + n.id].compute,
-            chosen[n_in + n.id].comm,
-            n.source,
-            len(inst.strategies[n_in + n.id]),
-            alternatives[n_in + n.id],
-        )
-        for n in graph.nodes
-    )
-    collectives: list[PlannedCollective] = []
-    for node in graph.nodes:
-        for c in chosen[n_in + node.id].collectives:
-            collectives.append(
-                PlannedCollective(
-                    c.kind, c.axes, c.nbytes, c.seconds * node.multiplier, "op", node.id
-                )
-            )
-    reshard_time = 0.0
-    seen: set[tuple[int, ShardingSpec, ShardingSpec]] = set()
-    for u, v, k, t, w in inst.edge_info:
-        src = chosen[u].out_specs[_result_index(graph, inst, u, t)]
-        dst = chosen[v].in_specs[k] if n_in <= v < n_in + n_ops else chosen[v].out_specs[0]
-        if dst is None:
-            continue
-        tensor = graph.tensors[t]
-        if (t, src, dst) in seen:
-            continue  # XLA computes one resharded copy per (tensor, layout) for all readers
-        seen.add((t, src, dst))
-        for kind, axes, nbytes, seconds in cost.reshard_steps(
-            tensor.shape, tensor.itemsize, src, dst
-        ):
-            node_id = v - n_in if n_in <= v < n_in + n_ops else -1
-            collectives.append(
-                PlannedCollective(kind, axes, nbytes, seconds * w, "reshard", node_id, t)
-            )
-            reshard_time += seconds * w
-    compute = sum(s.compute for s in chosen)
-    comm = sum(s.comm for s in chosen)
+    op_collectives = [
+        PlannedCollective(c.kind, c.axes, c.nbytes, c.seconds * node.multiplier, "op", node.id)
+        for node in graph.nodes
+        for c in chosen[inst.num_inputs + node.id].collectives
+    ]
+    reshards, reshard_time = _reshard_collectives(graph, cost, inst, chosen)
     core = (sol.reduction.get("nodes") or (None, None))[1]
     solver = {
         "status": sol.status,
@@ -373,23 +364,94 @@ def read_plan(
         "edges": inst.problem.num_edges,
         "core_nodes": core,
     }
-    output_specs = tuple(chosen[v].out_specs[0] for v in inst.sinks)
     return ShardingPlan(
         mesh_shape=tuple(cost.mesh.shape),
         axis_names=tuple(axis_names),
-        tensors=tensors,
-        nodes=nodes,
+        tensors=_tensor_plans(graph, inst, chosen, alternatives),
+        nodes=_node_plans(graph, inst, chosen, alternatives),
         inputs=tuple(graph.inputs),
         outputs=tuple(graph.outputs),
-        output_specs=output_specs,
-        collectives=tuple(collectives),
-        compute_time=compute,
-        comm_time=comm,
+        output_specs=tuple(chosen[v].out_specs[0] for v in inst.sinks),
+        collectives=tuple(op_collectives + reshards),
+        compute_time=sum(s.compute for s in chosen),
+        comm_time=sum(s.comm for s in chosen),
         reshard_time=reshard_time,
         peak_memory=sol.peak_usage,
         memory_budget=memory_budget,
         solver=solver,
     )
+
+
+def _tensor_plans(graph: OpGraph, inst: ShardingInstance, chosen, alternatives) -> tuple:
+    """Every tensor's chosen layout (inputs: with their priced alternatives)."""
+    n_in = inst.num_inputs
+    specs: list[ShardingSpec | None] = [None] * len(graph.tensors)
+    for i, t in enumerate(graph.inputs):
+        specs[t] = chosen[i].out_specs[0]
+    for node in graph.nodes:
+        for k, t in enumerate(node.outputs):
+            specs[t] = chosen[n_in + node.id].out_specs[k]
+    producer: dict[int, int] = {t: n.id for n in graph.nodes for t in n.outputs}
+    input_alts: dict[int, tuple[Alternative, ...]] = {}
+    for i, t in enumerate(graph.inputs):
+        input_alts.setdefault(t, alternatives[i])
+    return tuple(
+        TensorPlan(
+            t.name,
+            t.shape,
+            t.dtype,
+            t.role,
+            None if t.role == "const" else specs[t.id],
+            producer.get(t.id),
+            input_alts.get(t.id, ()),
+        )
+        for t in graph.tensors
+    )
+
+
+def _node_plans(graph: OpGraph, inst: ShardingInstance, chosen, alternatives) -> tuple:
+    """Every operator's chosen strategy, its layouts, costs and priced alternatives."""
+    n_in = inst.num_inputs
+    return tuple(
+        NodePlan(
+            n.primitive,
+            chosen[n_in + n.id].name,
+            chosen[n_in + n.id].in_specs,
+            chosen[n_in + n.id].compute,
+            chosen[n_in + n.id].comm,
+            n.source,
+            len(inst.strategies[n_in + n.id]),
+            alternatives[n_in + n.id],
+        )
+        for n in graph.nodes
+    )
+
+
+def _reshard_collectives(
+    graph: OpGraph, cost: CostModel, inst: ShardingInstance, chosen
+) -> tuple[list[PlannedCollective], float]:
+    """The collectives that move tensors between a producer's and a reader's layouts, and
+    their total time (each weighted by how often its edge runs)."""
+    n_in, n_ops = inst.num_inputs, inst.num_ops
+    collectives: list[PlannedCollective] = []
+    reshard_time = 0.0
+    seen: set[tuple[int, ShardingSpec, ShardingSpec]] = set()
+    for u, v, k, t, w in inst.edge_info:
+        src = chosen[u].out_specs[_result_index(graph, inst, u, t)]
+        dst = chosen[v].in_specs[k] if n_in <= v < n_in + n_ops else chosen[v].out_specs[0]
+        if dst is None or (t, src, dst) in seen:
+            continue  # XLA computes one resharded copy per (tensor, layout) for all readers
+        seen.add((t, src, dst))
+        tensor = graph.tensors[t]
+        for kind, axes, nbytes, seconds in cost.reshard_steps(
+            tensor.shape, tensor.itemsize, src, dst
+        ):
+            node_id = v - n_in if n_in <= v < n_in + n_ops else -1
+            collectives.append(
+                PlannedCollective(kind, axes, nbytes, seconds * w, "reshard", node_id, t)
+            )
+            reshard_time += seconds * w
+    return collectives, reshard_time
 
 
 def _alternatives(
