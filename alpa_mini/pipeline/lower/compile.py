@@ -18,7 +18,6 @@ cotangent with 1/B; the loss value and aux outputs are averaged the same way.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from ...shard.spec import ShardingSpec
 from ..layers import eval_eqns
 from ..schedules import Schedule
 from ..stage_slice import StageSlice, slice_stage
+from .apply_grad import apply_updates
 
 __all__ = ["CompiledPipeline", "StageLowering", "compile_pipeline", "grad_equation"]
 
@@ -361,7 +361,7 @@ def compile_pipeline(
         v = _var_of(sts[o], loss_in, j)
         if capture.diff[j]:
             param_home[arg_of[j]] = (o, sts[o].in_sharding[v])
-    out_names, out_literals = _apply(
+    out_names, out_literals = apply_updates(
         step, g, gout, param_home, sts, arg_names, programs, stream, layout_key
     )
     stage_params = [sorted({arg_of[loss_in[v]] for v in st.diff_in if v in loss_in}) for st in sts]
@@ -451,139 +451,3 @@ def _add_pairs(n: int) -> Callable[..., Any]:
 
 def _scale(factor: float) -> Callable[..., Any]:
     return jax.jit(lambda x: (x * jnp.asarray(factor, x.dtype),))
-
-
-def _apply(
-    step: ClosedJaxpr,
-    g: int,
-    gout: dict[Any, tuple[str, int]],
-    param_home: dict[int, tuple[int, NamedSharding]],
-    sts: list[_Stage],
-    arg_names: list[str],
-    programs: dict[str, Callable[..., Any]],
-    stream: list[Instruction],
-    layout_key: Callable[[NamedSharding, int], str],
-) -> tuple[list[str | None], dict[int, Any]]:
-    """Split the equations after the gradient by where their results should live."""
-    sj = step.jaxpr
-    eqns = [e for i, e in enumerate(sj.eqns) if i != g]
-    step_in = {v: k for k, v in enumerate(sj.invars)}
-    made_by: dict[Any, int] = {}
-    for i, e in enumerate(eqns):
-        for v in e.outvars:
-            made_by[v] = i
-    # Home stage of a value: step args that are parameters live with their owner, gradient
-    # outputs with theirs. A result goes to the home of its nearest such ancestor of the same
-    # shape (an optimiser update lives with its parameter), else its nearest one at all.
-    home_of_root: dict[Any, int] = {}
-    for v, k in step_in.items():
-        if k in param_home:
-            home_of_root[v] = param_home[k][0]
-    for v, (_, p) in gout.items():
-        home_of_root[v] = p
-
-    def home(v: Any) -> int:
-        best_any, best_same = None, None
-        seen = {v}
-        queue = deque([v])
-        while queue:
-            u = queue.popleft()
-            if u in home_of_root:
-                if best_any is None:
-                    best_any = home_of_root[u]
-                if best_same is None and u.aval.shape == v.aval.shape:
-                    best_same = home_of_root[u]
-                    break
-            if u in made_by:
-                for w in eqns[made_by[u]].invars:
-                    if not isinstance(w, Literal) and w not in seen:
-                        seen.add(w)
-                        queue.append(w)
-        for cand in (best_same, best_any):
-            if cand is not None:
-                return cand
-        return 0
-
-    out_names: list[str | None] = []
-    out_literals: dict[int, Any] = {}
-    per_stage: dict[int, list[tuple[int, Any]]] = {}
-    for o, v in enumerate(sj.outvars):
-        if isinstance(v, Literal):
-            out_literals[o] = v.val
-            out_names.append(None)
-        elif v in step_in:
-            out_names.append(arg_names[step_in[v]])
-        elif v in gout:
-            out_names.append(gout[v][0])
-        else:
-            k = home(v)
-            per_stage.setdefault(k, []).append((o, v))
-            out_names.append(f"out{o}")
-    for s, outs in sorted(per_stage.items()):
-        needed: list[Any] = []
-        live = {v for _, v in outs}
-        chosen: list[int] = []
-        for i in range(len(eqns) - 1, -1, -1):
-            if any(v in live for v in eqns[i].outvars):
-                chosen.append(i)
-                live.update(w for w in eqns[i].invars if not isinstance(w, Literal))
-        chosen.reverse()
-        sub = [eqns[i] for i in chosen]
-        defined = {v for e in sub for v in e.outvars}
-        for e in sub:
-            for w in e.invars:
-                if not isinstance(w, Literal) and w not in defined and w not in needed:
-                    needed.append(w)
-        for _, v in outs:
-            if v not in defined and v not in needed:
-                needed.append(v)
-        consts = dict(zip(sj.constvars, step.consts, strict=True))
-        inputs = [w for w in needed if w not in consts]
-        names_in = []
-        mesh = sts[s].mesh
-        for w in inputs:
-            if w in step_in:
-                k = step_in[w]
-                src = arg_names[k]
-                lay = (
-                    param_home[k][1]
-                    if k in param_home and param_home[k][0] == s
-                    else NamedSharding(mesh, PartitionSpec())
-                )
-            else:
-                src, _p = gout[w]
-                lay = None
-            dst = f"{src}@apply{s}"
-            if lay is None:
-                lay = NamedSharding(mesh, PartitionSpec())
-                if _p == s:
-                    dst = src
-            if dst != src:
-                stream.append(Put(src, dst, s, layout_key(lay, s)))
-            names_in.append(dst)
-        out_sh = []
-        for o, _v in outs:
-            k = _alias_param(step, o, param_home)
-            out_sh.append(param_home[k][1] if k is not None and param_home[k][0] == s else None)
-
-        def apply_fn(
-            *args: Any, sub=sub, inputs=inputs, outs=outs, consts=consts
-        ) -> tuple[Any, ...]:
-            env: dict[Any, Any] = {w: c for w, c in consts.items()}
-            env.update(zip(inputs, args, strict=True))
-            eval_eqns(sub, env)
-            return tuple(env[v] for _, v in outs)
-
-        programs[f"apply{s}"] = jax.jit(apply_fn, out_shardings=tuple(out_sh))
-        stream.append(Run(f"apply{s}", tuple(names_in), tuple(f"out{o}" for o, _ in outs), s))
-    return out_names, out_literals
-
-
-def _alias_param(step: ClosedJaxpr, o: int, param_home: dict[int, Any]) -> int | None:
-    """The parameter argument leaf an output updates, when shapes pair them one to one."""
-    v = step.jaxpr.outvars[o]
-    for k in param_home:
-        w = step.jaxpr.invars[k]
-        if w.aval.shape == v.aval.shape and w.aval.dtype == v.aval.dtype and o == k:
-            return k
-    return None
