@@ -141,6 +141,64 @@ def solve_sharding(
     usage; ``"return"`` returns a solution with status
     ``infeasible`` holding the lowest-peak assignment found.
     """
+    _check_arguments(problem, on_infeasible, time_limit, mip_rel_gap)
+    t0 = time.perf_counter()
+    run = _Run(
+        problem=problem,
+        backend=resolve_backend(backend),
+        t0=t0,
+        deadline=math.inf if time_limit is None else t0 + time_limit,
+        time_limit=time_limit,
+        on_infeasible=on_infeasible,
+        simplify_graph=simplify_graph,
+        reduction=_simplify(problem, simplify_graph),
+    )
+    run.timings["simplify"] = run.reduction.stats.seconds
+    core = run.reduction.core
+    if _constant_usage_over_limit(core):
+        return run.infeasible()
+
+    # 1. The whole MIP, and whether it is small enough to run under the time limit.
+    model = None
+    if core.num_vars:
+        tb = time.perf_counter()
+        model = build_mip(core)
+        run.timings["build"] = time.perf_counter() - tb
+        run.model_size = model.size()
+    region_by_region = (
+        model is not None and time_limit is not None and model.num_cols > full_mip_max_columns
+    )
+    # 2. A heuristic incumbent on large cores: a short warm start before the whole MIP, or
+    #    the starting point of the region-by-region search.
+    seconds = _heuristic_seconds(
+        core, simplify_graph, heuristic_time, heuristic_min_strategies, time_limit,
+        region_by_region,
+    )  # fmt: skip
+    run.find_incumbent(seconds, seed)
+    # 3. The MIP on what is left: whole, or region by region when it is too big for the time.
+    mip = None
+    if region_by_region and run.incumbent is not None:
+        run.improve_by_regions(seed)
+    elif model is not None:
+        warm = model.columns_from(core, run.incumbent) if run.incumbent is not None else None
+        mip = run_mip(
+            model,
+            run.backend,
+            time_limit=None if time_limit is None else _left(run.deadline),
+            mip_rel_gap=mip_rel_gap,
+            warm_start=warm,
+            threads=threads,
+            lp_first=lp_first,
+        )
+        run.timings["mip"] = mip.seconds
+    # 4. Pick the best assignment and report honestly.
+    picked = run.pick(model, mip)
+    return picked if isinstance(picked, ShardingSolution) else run.solution(*picked)
+
+
+def _check_arguments(
+    problem: Any, on_infeasible: str, time_limit: float | None, mip_rel_gap: float
+) -> None:
     if not isinstance(problem, ShardingProblem):
         raise SolverInputError(f"problem: expected a ShardingProblem, got {type(problem).__name__}")
     if on_infeasible not in ("raise", "return"):
@@ -151,159 +209,156 @@ def solve_sharding(
         )
     if not (0.0 <= mip_rel_gap < 1.0):
         raise SolverInputError(f"mip_rel_gap: {mip_rel_gap!r} must be in [0, 1)")
-    backend = resolve_backend(backend)
-    t0 = time.perf_counter()
-    deadline = math.inf if time_limit is None else t0 + time_limit
-    timings: dict[str, float] = {}
 
+
+def _simplify(problem: ShardingProblem, enabled: bool) -> Reduction:
     try:
-        reduction = simplify(problem, enabled=simplify_graph)
+        return simplify(problem, enabled=enabled)
     except InfeasibleError as err:
         # Forbidden costs alone leave a node without choices: no budget can help.
         raise InfeasibleError(
             f"no assignment avoids forbidden costs: {err}", **err.details
         ) from None
-    timings["simplify"] = reduction.stats.seconds
-    core = reduction.core
-    if _constant_usage_over_limit(core):
-        return _infeasible(
-            problem, reduction, backend, deadline, t0, timings, on_infeasible, simplify_graph
-        )
 
-    # 1. The whole MIP, and whether it is small enough to run under the time limit.
-    model = None
-    mip = None
-    model_size: dict[str, int] = {}
-    if core.num_vars:
-        tb = time.perf_counter()
-        model = build_mip(core)
-        timings["build"] = time.perf_counter() - tb
-        model_size = model.size()
-    region_by_region = (
-        model is not None and time_limit is not None and model.num_cols > full_mip_max_columns
-    )
 
-    # 2. A heuristic incumbent on large cores: a short warm start before the whole MIP, or
-    #    the starting point of the region-by-region search.
+def _heuristic_seconds(
+    core: CoreProblem,
+    simplify_graph: bool,
+    heuristic_time: float | None,
+    heuristic_min_strategies: int | None,
+    time_limit: float | None,
+    region_by_region: bool,
+) -> float:
+    """How long the local search that seeds the MIP may run (0: not at all)."""
     n_strategies = sum(len(c) for c in core.costs)
     if not simplify_graph:
-        heuristic_time = 0.0  # the heuristic expects a simplified core (no forbidden nodes)
-    elif heuristic_min_strategies is not None and n_strategies < heuristic_min_strategies:
-        heuristic_time = 0.0
-    elif heuristic_time is None:
-        if n_strategies < HEURISTIC_MIN_STRATEGIES:
-            heuristic_time = 0.0
-        elif region_by_region:
-            heuristic_time = 0.3 * time_limit
-        else:
-            heuristic_time = min(WARM_START_SECONDS, 0.1 * (time_limit or 50.0))
-    incumbent: np.ndarray | None = None
-    heuristic_cost = math.inf
-    incumbent_source = "heuristic"
-    if core.num_vars and heuristic_time > 0:
-        th = time.perf_counter()
-        result = local_search(core, time_limit=min(heuristic_time, _left(deadline)), seed=seed)
-        timings["heuristic"] = time.perf_counter() - th
-        if result.feasible:
-            incumbent, heuristic_cost = result.choice, result.cost
+        return 0.0  # the heuristic expects a simplified core (no forbidden nodes)
+    if heuristic_min_strategies is not None and n_strategies < heuristic_min_strategies:
+        return 0.0
+    if heuristic_time is not None:
+        return heuristic_time
+    if n_strategies < HEURISTIC_MIN_STRATEGIES:
+        return 0.0
+    if region_by_region:
+        return 0.3 * time_limit
+    return min(WARM_START_SECONDS, 0.1 * (time_limit or 50.0))
 
-    # 3. The MIP on what is left: whole, or region by region when it is too big for the time.
-    if region_by_region and incumbent is not None:
+
+@dataclass
+class _Run:
+    """One ``solve_sharding`` call: its inputs, clock, incumbent and timings."""
+
+    problem: ShardingProblem
+    backend: str
+    t0: float
+    deadline: float
+    time_limit: float | None
+    on_infeasible: str
+    simplify_graph: bool
+    reduction: Reduction
+    timings: dict[str, float] = field(default_factory=dict)
+    model_size: dict[str, int] = field(default_factory=dict)
+    incumbent: np.ndarray | None = None
+    heuristic_cost: float = math.inf
+    incumbent_source: str = "heuristic"
+
+    def infeasible(self) -> ShardingSolution:
+        return _infeasible(
+            self.problem, self.reduction, self.backend, self.deadline, self.t0, self.timings,
+            self.on_infeasible, self.simplify_graph,
+        )  # fmt: skip
+
+    def find_incumbent(self, seconds: float, seed: int) -> None:
+        core = self.reduction.core
+        if not core.num_vars or seconds <= 0:
+            return
+        th = time.perf_counter()
+        result = local_search(core, time_limit=min(seconds, _left(self.deadline)), seed=seed)
+        self.timings["heuristic"] = time.perf_counter() - th
+        if result.feasible:
+            self.incumbent, self.heuristic_cost = result.choice, result.cost
+
+    def improve_by_regions(self, seed: int) -> None:
         tl = time.perf_counter()
         lns = improve_by_lns(
-            core, incumbent, time_limit=_left(deadline), backend=backend, seed=seed
+            self.reduction.core,
+            self.incumbent,
+            time_limit=_left(self.deadline),
+            backend=self.backend,
+            seed=seed,
         )
-        timings["lns"] = time.perf_counter() - tl
+        self.timings["lns"] = time.perf_counter() - tl
         if lns.improvements:
-            incumbent, heuristic_cost = lns.choice, lns.cost
-            incumbent_source = "heuristic+lns"
-    elif model is not None:
-        warm = model.columns_from(core, incumbent) if incumbent is not None else None
-        mip = run_mip(
-            model,
-            backend,
-            time_limit=None if time_limit is None else _left(deadline),
-            mip_rel_gap=mip_rel_gap,
-            warm_start=warm,
-            threads=threads,
-            lp_first=lp_first,
-        )
-        timings["mip"] = mip.seconds
+            self.incumbent, self.heuristic_cost = lns.choice, lns.cost
+            self.incumbent_source = "heuristic+lns"
 
-    # 4. Pick the best assignment and report honestly.
-    if not core.num_vars:
-        core_choice = np.zeros(0, dtype=np.int64)
-        status, bound, source, detail = (
-            "optimal",
-            None,
-            "simplify",
-            "simplification decided every node",
-        )
-    elif mip is None:  # large core under a time limit: local search + LNS
-        if incumbent is None:
-            raise SolverTimeLimitError(
-                f"no feasible assignment found within time_limit={time_limit} s by the local "
-                "search, and the whole MIP is too large to try; give it more time or a larger "
-                "usage_limit"
-            )
-        core_choice, source = incumbent, incumbent_source
-        status, bound = "feasible", None
-        detail = "whole MIP too large for the time limit; improved region by region (LNS)"
-    else:
-        assert model is not None
+    def pick(self, model: Any, mip: Any) -> ShardingSolution | tuple:
+        """The best assignment of the core and (status, bound, source, detail), or the
+        infeasible solution."""
+        core = self.reduction.core
+        if not core.num_vars:
+            choice = np.zeros(0, dtype=np.int64)
+            return choice, "optimal", None, "simplify", "simplification decided every node"
+        if mip is None:  # large core under a time limit: local search + LNS
+            if self.incumbent is None:
+                raise SolverTimeLimitError(
+                    f"no feasible assignment found within time_limit={self.time_limit} s by the "
+                    "local search, and the whole MIP is too large to try; give it more time or "
+                    "a larger usage_limit"
+                )
+            detail = "whole MIP too large for the time limit; improved region by region (LNS)"
+            return self.incumbent, "feasible", None, self.incumbent_source, detail
         candidates = []
         if mip.x is not None:
             candidates.append((model.strategies_from(mip.x), "mip"))
-        if incumbent is not None:
-            candidates.append((incumbent, incumbent_source))
+        if self.incumbent is not None:
+            candidates.append((self.incumbent, self.incumbent_source))
         if not candidates:
             if mip.status == "infeasible":
-                return _infeasible(
-                    problem,
-                    reduction,
-                    backend,
-                    deadline,
-                    t0,
-                    timings,
-                    on_infeasible,
-                    simplify_graph,
-                )
+                return self.infeasible()
             raise SolverTimeLimitError(
-                f"no feasible assignment found within time_limit={time_limit} s "
+                f"no feasible assignment found within time_limit={self.time_limit} s "
                 f"({mip.detail}); give it more time or a larger usage_limit"
             )
         scored = [(core.evaluate(c)[0], i, c, s) for i, (c, s) in enumerate(candidates)]
-        _, _, core_choice, source = min(scored, key=lambda t: (t[0], t[1]))
+        _, _, choice, source = min(scored, key=lambda t: (t[0], t[1]))
         bound = mip.bound * model.cost_scale + model.offset if math.isfinite(mip.bound) else None
         status = "optimal" if mip.status == "optimal" else "feasible"
-        detail = mip.detail
+        return choice, status, bound, source, mip.detail
 
-    choice = reduction.expand(core_choice)
-    ev = evaluate(problem, choice)
-    if not ev.feasible:  # a bug guard: every path above must yield a feasible assignment
-        raise RuntimeError(f"internal error: solver returned an assignment that is {ev.explain()}")
-    if status == "optimal":
-        bound = ev.cost
-    gap = None if bound is None else max(0.0, (ev.cost - bound) / max(abs(ev.cost), 1e-12))
-    return ShardingSolution(
-        choice=tuple(int(c) for c in choice),
-        objective=ev.cost,
-        node_cost=ev.node_cost,
-        edge_cost=ev.edge_cost,
-        peak_usage=ev.peak_usage,
-        usage_limit=problem.usage_limit,
-        status=status,
-        gap=0.0 if status == "optimal" else gap,
-        lower_bound=bound,
-        backend=backend,
-        solve_time=time.perf_counter() - t0,
-        timings={k: round(v, 4) for k, v in timings.items()},
-        model_size=model_size,
-        reduction=reduction.stats.as_dict(),
-        heuristic_objective=None if not math.isfinite(heuristic_cost) else heuristic_cost,
-        source=source,
-        detail=detail,
-    )
+    def solution(
+        self, core_choice: np.ndarray, status: str, bound: float | None, source: str, detail: str
+    ) -> ShardingSolution:
+        choice = self.reduction.expand(core_choice)
+        ev = evaluate(self.problem, choice)
+        if not ev.feasible:  # a bug guard: every path must yield a feasible assignment
+            raise RuntimeError(
+                f"internal error: solver returned an assignment that is {ev.explain()}"
+            )
+        if status == "optimal":
+            bound = ev.cost
+        gap = None if bound is None else max(0.0, (ev.cost - bound) / max(abs(ev.cost), 1e-12))
+        return ShardingSolution(
+            choice=tuple(int(c) for c in choice),
+            objective=ev.cost,
+            node_cost=ev.node_cost,
+            edge_cost=ev.edge_cost,
+            peak_usage=ev.peak_usage,
+            usage_limit=self.problem.usage_limit,
+            status=status,
+            gap=0.0 if status == "optimal" else gap,
+            lower_bound=bound,
+            backend=self.backend,
+            solve_time=time.perf_counter() - self.t0,
+            timings={k: round(v, 4) for k, v in self.timings.items()},
+            model_size=self.model_size,
+            reduction=self.reduction.stats.as_dict(),
+            heuristic_objective=None
+            if not math.isfinite(self.heuristic_cost)
+            else self.heuristic_cost,
+            source=source,
+            detail=detail,
+        )
 
 
 def _left(deadline: float) -> float:
