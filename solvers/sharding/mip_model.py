@@ -149,143 +149,34 @@ def build_mip(core: CoreProblem, *, objective: str = "cost") -> MipModel:
     s_off = np.zeros(len(ks) + 1, dtype=np.int64)
     np.cumsum(ks, out=s_off[1:])
     n_s = int(s_off[-1])
-
     node_c = np.concatenate(core.costs) if len(ks) else np.zeros(0)
     col_upper_s = np.ones(n_s)
     forbidden = ~np.isfinite(node_c)
     col_upper_s[forbidden] = 0.0  # only reachable when simplification was switched off
     node_c = np.where(forbidden, 0.0, node_c)
+    cost_scale = 1.0 if peak_mode else _cost_scale(core, node_c)
 
-    finite_edge_max = max(
-        (float(m[np.isfinite(m)].max(initial=0.0)) for m in core.edge_costs), default=0.0
-    )
-    biggest = max(float(node_c.max(initial=0.0)), finite_edge_max)
-    cost_scale = biggest / COST_TARGET if biggest > COST_TARGET else 1.0
-    if peak_mode:
-        cost_scale = 1.0
-
-    cols_c: list[np.ndarray] = [np.zeros(n_s) if peak_mode else node_c / cost_scale]
-    rows_r: list[np.ndarray] = []
-    rows_c: list[np.ndarray] = []
-    rows_v: list[np.ndarray] = []
-    row_lo: list[np.ndarray] = []
-    row_hi: list[np.ndarray] = []
-    n_rows = 0
-    n_cols = n_s
-
+    m = _Rows(n_cols=n_s)
+    m.cols_c.append(np.zeros(n_s) if peak_mode else node_c / cost_scale)
     # One-hot rows.
-    rows_r.append(np.repeat(np.arange(len(ks)), ks))
-    rows_c.append(np.arange(n_s))
-    rows_v.append(np.ones(n_s))
-    row_lo.append(np.ones(len(ks)))
-    row_hi.append(np.ones(len(ks)))
-    n_rows += len(ks)
+    m.add(
+        [np.repeat(np.arange(len(ks)), ks)], [np.arange(n_s)], [np.ones(n_s)],
+        np.ones(len(ks)), np.ones(len(ks)), len(ks),
+    )  # fmt: skip
+    edge_cols = _edge_rows(m, core, s_off, cost_scale, peak_mode)
+    memory = _memory_rows(m, core, s_off, peak_mode)
+    peak_col = _peak_rows(m, memory) if peak_mode else -1
+    mem_first, usage_scale, const_part = memory
 
-    edge_cols: list[tuple[int, np.ndarray, np.ndarray]] = []
-    for (a, b), mat in zip(core.edges, core.edge_costs, strict=True):
-        fin = np.isfinite(mat)
-        if peak_mode and fin.all():
-            edge_cols.append((n_cols, np.zeros(0, np.int64), np.zeros(0, np.int64)))
-            continue
-        ii, jj = np.nonzero(fin)
-        ne = len(ii)
-        first = n_cols
-        edge_cols.append((first, ii, jj))
-        ecol = first + np.arange(ne)
-        cols_c.append(np.zeros(ne) if peak_mode else mat[ii, jj] / cost_scale)
-        n_cols += ne
-        ka, kb = mat.shape
-        # Σ_j e[i, j] - s[a, i] = 0 for every i.
-        rows_r += [n_rows + ii, n_rows + np.arange(ka)]
-        rows_c += [ecol, s_off[a] + np.arange(ka)]
-        rows_v += [np.ones(ne), -np.ones(ka)]
-        n_rows += ka
-        # Σ_i e[i, j] - s[b, j] = 0 for every j but the last.
-        keep = jj < kb - 1
-        rows_r += [n_rows + jj[keep], n_rows + np.arange(kb - 1)]
-        rows_c += [ecol[keep], s_off[b] + np.arange(kb - 1)]
-        rows_v += [np.ones(int(keep.sum())), -np.ones(kb - 1)]
-        n_rows += kb - 1
-        row_lo.append(np.zeros(ka + kb - 1))
-        row_hi.append(np.zeros(ka + kb - 1))
-
-    mem_first = -1
-    peak_col = -1
-    usage_scale = 1.0
-    const_part = np.zeros(0)
-    limit = core.usage_limit
-    if limit is not None and len(core.term_var):
-        grid = _grid(core)
-        const_max = _segment_const_max(core, grid)
-        usage_scale = limit if limit > 0 else 1.0
-        if peak_mode:
-            biggest_use = max(
-                [float(u.max()) for u in core.term_usages]
-                + [float(core.const_usages.sum())]
-                + [1.0]
-            )
-            usage_scale = max(usage_scale, biggest_use)
-        else:
-            worst = np.flatnonzero(const_max > limit * (1 + 1e-12))
-            if worst.size:
-                k = int(worst[0])
-                raise InfeasibleError(
-                    f"usage_limit {limit:.6g} is below the usage that no choice can avoid "
-                    f"({const_max[k]:.6g} at time {int(grid[k])})",
-                    min_peak=float(const_max.max()),
-                    proven=True,
-                )
-        g = len(grid)
-        mem_first = n_cols
-        mcols = mem_first + np.arange(g)
-        n_cols += g
-        cols_c.append(np.zeros(g))
-        # Row k: m[k] - m[k-1] - Σ_starting use·s + Σ_ending use·s = 0.
-        r0 = n_rows
-        rows_r += [r0 + np.arange(g), r0 + np.arange(1, g)]
-        rows_c += [mcols, mcols[:-1]]
-        rows_v += [np.ones(g), -np.ones(g - 1)]
-        for var, (s, t), use in zip(
-            core.term_var, core.term_intervals, core.term_usages, strict=True
-        ):
-            nz = np.flatnonzero(use)
-            cs = s_off[var] + nz
-            vals = use[nz] / usage_scale
-            rows_r += [
-                np.full(len(nz), r0 + np.searchsorted(grid, s)),
-                np.full(len(nz), r0 + np.searchsorted(grid, t)),
-            ]
-            rows_c += [cs, cs]
-            rows_v += [-vals, vals]
-        n_rows += g
-        row_lo.append(np.zeros(g))
-        row_hi.append(np.zeros(g))
-        const_part = const_max / usage_scale
-    if peak_mode:
-        # P >= every memory level: m[k] + const[k] <= P, i.e. m[k] - P <= -const[k]; and P is
-        # at least the peak of the usage no choice can change. Minimise P.
-        peak_col = n_cols
-        n_cols += 1
-        cols_c.append(np.ones(1))
-        g = len(const_part)
-        if g:
-            rows_r += [n_rows + np.arange(g), n_rows + np.arange(g)]
-            rows_c += [mem_first + np.arange(g), np.full(g, peak_col)]
-            rows_v += [np.ones(g), -np.ones(g)]
-            row_lo.append(np.full(g, -np.inf))
-            row_hi.append(-const_part)
-            n_rows += g
-
-    c = np.concatenate(cols_c)
-    col_lower = np.zeros(n_cols)
-    col_upper = np.ones(n_cols)
+    col_lower = np.zeros(m.n_cols)
+    col_upper = np.ones(m.n_cols)
     col_upper[:n_s] = col_upper_s
-    integer = np.zeros(n_cols, dtype=bool)
+    integer = np.zeros(m.n_cols, dtype=bool)
     integer[:n_s] = True
     if mem_first >= 0:
         g = len(const_part)
         col_upper[mem_first : mem_first + g] = (
-            np.inf if peak_mode else (limit / usage_scale - const_part)
+            np.inf if peak_mode else (core.usage_limit / usage_scale - const_part)
         )
     if peak_col >= 0:
         col_upper[peak_col] = np.inf
@@ -293,21 +184,17 @@ def build_mip(core: CoreProblem, *, objective: str = "cost") -> MipModel:
             core.const_intervals[:, 0], core.const_intervals[:, 1], core.const_usages
         )
         col_lower[peak_col] = const_peak / usage_scale
-
-    rr = np.concatenate(rows_r).astype(np.int64)
-    cc = np.concatenate(rows_c).astype(np.int64)
-    vv = np.concatenate(rows_v).astype(np.float64)
-    start, index, value = _to_csr(rr, cc, vv, n_rows)
-    model = MipModel(
-        c=c,
+    start, index, value = m.csr()
+    return MipModel(
+        c=np.concatenate(m.cols_c),
         col_lower=col_lower,
         col_upper=col_upper,
         integer=integer,
         start=start,
         index=index,
         value=value,
-        row_lower=np.concatenate(row_lo),
-        row_upper=np.concatenate(row_hi),
+        row_lower=np.concatenate(m.row_lo),
+        row_upper=np.concatenate(m.row_hi),
         cost_scale=cost_scale,
         offset=0.0 if peak_mode else core.const_cost,
         s_offsets=s_off,
@@ -317,7 +204,149 @@ def build_mip(core: CoreProblem, *, objective: str = "cost") -> MipModel:
         mem_const=const_part,
         peak_col=peak_col,
     )
-    return model
+
+
+def _cost_scale(core: CoreProblem, node_c: np.ndarray) -> float:
+    """Divide costs by this so that the largest is about ``COST_TARGET``."""
+    finite_edge_max = max(
+        (float(m[np.isfinite(m)].max(initial=0.0)) for m in core.edge_costs), default=0.0
+    )
+    biggest = max(float(node_c.max(initial=0.0)), finite_edge_max)
+    return biggest / COST_TARGET if biggest > COST_TARGET else 1.0
+
+
+class _Rows:
+    """The model under construction: column costs and the constraint matrix as COO pieces,
+    appended in order (the order fixes the CSR layout the solver sees)."""
+
+    def __init__(self, n_cols: int) -> None:
+        self.cols_c: list[np.ndarray] = []
+        self.rows_r: list[np.ndarray] = []
+        self.rows_c: list[np.ndarray] = []
+        self.rows_v: list[np.ndarray] = []
+        self.row_lo: list[np.ndarray] = []
+        self.row_hi: list[np.ndarray] = []
+        self.n_rows = 0
+        self.n_cols = n_cols
+
+    def add(self, rows, cols, vals, lo: np.ndarray, hi: np.ndarray, count: int) -> None:
+        """``count`` new rows with bounds ``lo``/``hi``; ``rows`` hold absolute row ids."""
+        self.rows_r += rows
+        self.rows_c += cols
+        self.rows_v += vals
+        self.row_lo.append(lo)
+        self.row_hi.append(hi)
+        self.n_rows += count
+
+    def csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rr = np.concatenate(self.rows_r).astype(np.int64)
+        cc = np.concatenate(self.rows_c).astype(np.int64)
+        vv = np.concatenate(self.rows_v).astype(np.float64)
+        return _to_csr(rr, cc, vv, self.n_rows)
+
+
+def _edge_rows(
+    m: _Rows, core: CoreProblem, s_off: np.ndarray, cost_scale: float, peak_mode: bool
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """One column per allowed strategy pair of every edge, tied to both endpoints' one-hot
+    columns by the marginal rows (the tight linearisation); returns each edge's columns."""
+    edge_cols: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for (a, b), mat in zip(core.edges, core.edge_costs, strict=True):
+        fin = np.isfinite(mat)
+        if peak_mode and fin.all():
+            edge_cols.append((m.n_cols, np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            continue
+        ii, jj = np.nonzero(fin)
+        ne = len(ii)
+        first = m.n_cols
+        edge_cols.append((first, ii, jj))
+        ecol = first + np.arange(ne)
+        m.cols_c.append(np.zeros(ne) if peak_mode else mat[ii, jj] / cost_scale)
+        m.n_cols += ne
+        ka, kb = mat.shape
+        n = m.n_rows
+        keep = jj < kb - 1
+        m.add(
+            # Σ_j e[i, j] - s[a, i] = 0 for every i; then Σ_i e[i, j] - s[b, j] = 0 for every
+            # j but the last.
+            [n + ii, n + np.arange(ka), n + ka + jj[keep], n + ka + np.arange(kb - 1)],
+            [ecol, s_off[a] + np.arange(ka), ecol[keep], s_off[b] + np.arange(kb - 1)],
+            [np.ones(ne), -np.ones(ka), np.ones(int(keep.sum())), -np.ones(kb - 1)],
+            np.zeros(ka + kb - 1),
+            np.zeros(ka + kb - 1),
+            ka + kb - 1,
+        )
+    return edge_cols
+
+
+def _memory_rows(
+    m: _Rows, core: CoreProblem, s_off: np.ndarray, peak_mode: bool
+) -> tuple[int, float, np.ndarray]:
+    """The telescoping memory levels (one column per time point of the grid) and their rows;
+    returns (first level column or -1, usage scale, the usage no choice can change)."""
+    limit = core.usage_limit
+    if limit is None or not len(core.term_var):
+        return -1, 1.0, np.zeros(0)
+    grid = _grid(core)
+    const_max = _segment_const_max(core, grid)
+    usage_scale = limit if limit > 0 else 1.0
+    if peak_mode:
+        biggest_use = max(
+            [float(u.max()) for u in core.term_usages] + [float(core.const_usages.sum())] + [1.0]
+        )
+        usage_scale = max(usage_scale, biggest_use)
+    else:
+        worst = np.flatnonzero(const_max > limit * (1 + 1e-12))
+        if worst.size:
+            k = int(worst[0])
+            raise InfeasibleError(
+                f"usage_limit {limit:.6g} is below the usage that no choice can avoid "
+                f"({const_max[k]:.6g} at time {int(grid[k])})",
+                min_peak=float(const_max.max()),
+                proven=True,
+            )
+    g = len(grid)
+    mem_first = m.n_cols
+    mcols = mem_first + np.arange(g)
+    m.n_cols += g
+    m.cols_c.append(np.zeros(g))
+    # Row k: m[k] - m[k-1] - Σ_starting use·s + Σ_ending use·s = 0.
+    r0 = m.n_rows
+    rows, cols = [r0 + np.arange(g), r0 + np.arange(1, g)], [mcols, mcols[:-1]]
+    vals = [np.ones(g), -np.ones(g - 1)]
+    for var, (s, t), use in zip(core.term_var, core.term_intervals, core.term_usages, strict=True):
+        nz = np.flatnonzero(use)
+        cs = s_off[var] + nz
+        scaled = use[nz] / usage_scale
+        rows += [
+            np.full(len(nz), r0 + np.searchsorted(grid, s)),
+            np.full(len(nz), r0 + np.searchsorted(grid, t)),
+        ]
+        cols += [cs, cs]
+        vals += [-scaled, scaled]
+    m.add(rows, cols, vals, np.zeros(g), np.zeros(g), g)
+    return mem_first, usage_scale, const_max / usage_scale
+
+
+def _peak_rows(m: _Rows, memory: tuple[int, float, np.ndarray]) -> int:
+    """P >= every memory level: m[k] + const[k] <= P, i.e. m[k] - P <= -const[k]; and P is at
+    least the peak of the usage no choice can change. Minimise P; returns its column."""
+    mem_first, _, const_part = memory
+    peak_col = m.n_cols
+    m.n_cols += 1
+    m.cols_c.append(np.ones(1))
+    g = len(const_part)
+    if g:
+        n = m.n_rows
+        m.add(
+            [n + np.arange(g), n + np.arange(g)],
+            [mem_first + np.arange(g), np.full(g, peak_col)],
+            [np.ones(g), -np.ones(g)],
+            np.full(g, -np.inf),
+            -const_part,
+            g,
+        )
+    return peak_col
 
 
 def _to_csr(
