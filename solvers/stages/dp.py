@@ -32,6 +32,10 @@ def _memory_dp(
 ) -> _Probe:
     """Least latency sum with every stage ``<= t`` and every memory limit met.
 
+    Long because the table's rows, stage counts and row aliases are one vectorised state
+    that its build and the walk back share; the pieces that stand alone (frames, row
+    relaxation, probes) live in ``tables`` and ``bounds``.
+
     State ``(k, r, d)``: layers ``k..L-1`` on exactly ``d`` units in at most ``r`` stages. A
     stage on ``k..j`` that tolerates ``ms`` later stages leads to ``(j + 1, min(r - 1, ms),
     d - size)``; "at most" rather than "exactly" ``r`` stages is exact because fewer later

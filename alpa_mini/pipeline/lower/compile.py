@@ -117,7 +117,13 @@ def compile_pipeline(
     stages: Sequence[StageLowering],
     schedule: Schedule,
 ) -> CompiledPipeline:
-    """Build programs and the instruction stream of one pipelined step."""
+    """Build programs and the instruction stream of one pipelined step.
+
+    Long because it is one walk: stages and their layouts, the per-stage programs, then the
+    schedule's ticks emitted in order, sharing buffer-naming and freeing state that the
+    instruction stream's correctness depends on (every buffer freed exactly once after its
+    last reader). Splitting it is tracked with the gradient-sync rework of this module.
+    """
     g = grad_equation(step.jaxpr)
     geqn = step.jaxpr.eqns[g]
     fj = forward.jaxpr
