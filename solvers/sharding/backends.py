@@ -5,14 +5,24 @@ bottleneck (minutes for a 1M-column model), while ``Highs.passModel`` takes the 
 as they are. CBC is reached through pulp, which bundles it. Both report the solver's own
 status and bounds; we never trust a status word alone (HiGHS stopping on its time limit with
 a 100% gap is *not* optimal, whatever a wrapper says).
+
+The solvers are silent by default: HiGHS's log and its once-per-process banner, and CBC's
+messages, are shown only when the ``alpa_mini.solvers`` logger is enabled for DEBUG, e.g.
+``logging.getLogger("alpa_mini.solvers").setLevel(logging.DEBUG)`` with a handler set up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import math
+import os
+import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +32,46 @@ from .mip_model import MipModel
 __all__ = ["MipResult", "available_backends", "resolve_backend", "run_mip"]
 
 BACKENDS = ("auto", "highs", "cbc")
+
+_log = logging.getLogger("alpa_mini.solvers")
+# HiGHS prints its banner once per process, when the first Highs object is made.
+_banner_lock = threading.Lock()
+_banner_done = False
+
+
+def _solver_logs() -> bool:
+    """Whether the user asked for the solvers' own output."""
+    return _log.isEnabledFor(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """Send file descriptor 1 (where HiGHS's C++ code prints) to the null device."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _new_highs() -> object:
+    """A ``highspy.Highs``; the first one of the process is made with the banner silenced
+    unless the user asked for solver logs."""
+    global _banner_done
+    import highspy
+
+    with _banner_lock:
+        if _banner_done or _solver_logs():
+            _banner_done = True
+            return highspy.Highs()
+        with _stdout_silenced():
+            h = highspy.Highs()
+        _banner_done = True
+        return h
 
 
 @dataclass(frozen=True)
@@ -109,10 +159,9 @@ def _highs_lp(model: MipModel, integer: bool) -> object:
 
 
 def _highs(threads: int, time_limit: float | None) -> object:
-    import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _new_highs()
+    h.setOptionValue("output_flag", _solver_logs())
     h.setOptionValue("threads", int(threads))
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
@@ -292,7 +341,7 @@ def _run_cbc(
         # pulp 3.x announces that 4.0 will unbundle CBC; the bundled binary is what we use.
         warnings.simplefilter("ignore", DeprecationWarning)
         solver = pulp.PULP_CBC_CMD(
-            msg=False,
+            msg=_solver_logs(),
             timeLimit=None if time_limit is None else max(1, math.ceil(time_limit)),
             gapRel=mip_rel_gap,
             gapAbs=1e-7,
