@@ -56,7 +56,8 @@ def point(layers: int, devices: int) -> dict[str, Any]:
     method = alpa_mini.PipeshardParallel(
         num_micro_batches=MICRO_BATCHES,
         layer_option=alpa_mini.ManualLayerOption(),
-        stage_option=alpa_mini.AutoStageOption(memory_budget=1e15),
+        stage_option=alpa_mini.AutoStageOption(),
+        memory_budget=1e15,
     )
     t0 = time.perf_counter()
     plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command.strip()}` ({datetime.date.today().isoformat()}; "
         f"{time.perf_counter() - t0:.0f} s). GPT with hidden 2048 and 24 to 128 layers, "
-        f"{MICRO_BATCHES} micro-batches, `AutoStageOption(memory_budget=1e15)` (individual "
+        f"{MICRO_BATCHES} micro-batches, `PipeshardParallel(memory_budget=1e15)` (individual "
         "profiling, power-of-two submeshes; the budget lifted so that every point ends in a "
         "plan) on `dgx-a100` clusters, each point a fresh process on this "
         "machine's 2 shared CPU cores. Seconds of `plan_pipeshard` (tracing, per-layer ILPs, "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._validate import positive_int
 from ..errors import ProfileError
 
 __all__ = [
@@ -65,7 +66,6 @@ def op_class(primitive: str) -> str:
         if primitive in members:
             return name
     return ""
-
 
 
 def byte_factor(kind: str, n: int) -> float:
@@ -211,7 +211,7 @@ class ProfileDB:
                 )
             compute.append(
                 ComputeFit(
-                    _count(f"{at}.busy_devices", c["busy_devices"]),
+                    positive_int(f"{at}.busy_devices", c["busy_devices"], ProfileError),
                     _positive(f"{at}.matmul_flops", c["matmul_flops"]),
                     _positive(f"{at}.memory_bandwidth", c["memory_bandwidth"]),
                     _positive(f"{at}.launch_overhead", c.get("launch_overhead", 0.0), zero=True),
@@ -227,7 +227,7 @@ class ProfileDB:
                 raise ProfileError(
                     f"{at}.kind: {c['kind']!r} is not one of {', '.join(COLLECTIVE_KINDS)}"
                 )
-            size = _count(f"{at}.group_size", c["group_size"])
+            size = positive_int(f"{at}.group_size", c["group_size"], ProfileError)
             if size < 2:
                 raise ProfileError(f"{at}.group_size: {size} is invalid; expected >= 2")
             collectives.append(
@@ -284,12 +284,6 @@ def _fields(where: str, value: Any, required: set[str], optional: set[str]) -> d
 def _list(where: str, value: Any) -> list[Any]:
     if not isinstance(value, list):
         raise ProfileError(f"{where}: expected a list, got {type(value).__name__}")
-    return value
-
-
-def _count(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ProfileError(f"{where}: {value!r} is invalid; expected an integer >= 1")
     return value
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from .._validate import positive_int
 from ..errors import ConfigError, ProfileError
 from .profile_db import ProfileDB
 
@@ -46,7 +47,6 @@ _CONFIG_PACKAGE = "alpa_mini.cluster_configs"
 _SOURCE_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 
-
 def _number(where: str, value: Any, *, positive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
@@ -54,12 +54,6 @@ def _number(where: str, value: Any, *, positive: bool = True) -> float:
         bound = "> 0" if positive else ">= 0"
         raise ConfigError(f"{where}: {value!r} is invalid; expected a finite number {bound}")
     return float(value)
-
-
-def _count(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {value!r} is invalid; expected an integer >= 1")
-    return int(value)
 
 
 def _mapping(where: str, value: Any, keys: set[str]) -> dict[str, Any]:
@@ -148,8 +142,8 @@ class ClusterSpec:
     profile: ProfileDB | None = None  # measured figures that replace the nominal ones
 
     def __post_init__(self) -> None:
-        _count("num_hosts", self.num_hosts)
-        _count("devices_per_host", self.devices_per_host)
+        positive_int("num_hosts", self.num_hosts)
+        positive_int("devices_per_host", self.devices_per_host)
 
     @property
     def num_devices(self) -> int:
@@ -157,7 +151,7 @@ class ClusterSpec:
 
     def with_hosts(self, num_hosts: int) -> ClusterSpec:
         """The same hardware with another host count (configs describe a host type)."""
-        return dataclasses.replace(self, num_hosts=_count("num_hosts", num_hosts))
+        return dataclasses.replace(self, num_hosts=positive_int("num_hosts", num_hosts))
 
     def with_profile(self, profile: ProfileDB | None) -> ClusterSpec:
         """The same cluster priced with measured figures (``alpa_mini.profile_devices``):
@@ -182,8 +176,8 @@ class ClusterSpec:
         data = _mapping("cluster", data, fields)
         return cls(
             name=str(data["name"]),
-            num_hosts=_count("cluster.num_hosts", data["num_hosts"]),
-            devices_per_host=_count("cluster.devices_per_host", data["devices_per_host"]),
+            num_hosts=positive_int("cluster.num_hosts", data["num_hosts"]),
+            devices_per_host=positive_int("cluster.devices_per_host", data["devices_per_host"]),
             device=DeviceKind.from_dict(data["device"], "cluster.device"),
             intra_host=Link.from_dict(data["intra_host"], "cluster.intra_host"),
             inter_host=Link.from_dict(data["inter_host"], "cluster.inter_host"),

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from alpa_mini._validate import positive_int
 from alpa_mini.errors import ConfigError
 
 __all__ = [
@@ -56,8 +57,7 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 def check_positive_int(owner: str, name: str, value: object) -> None:
     """Raise a ``ConfigError`` naming ``owner.name`` unless ``value`` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner}.{name}: {value!r} is invalid; expected an integer >= 1")
+    positive_int(f"{owner}.{name}", value)
 
 
 def check_bools(owner: str, config: object, names: tuple[str, ...]) -> None:

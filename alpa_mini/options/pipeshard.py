@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
+from .._validate import check_choice, positive_int
 from ..errors import ConfigError
-from ..pipeline.schedules import SCHEDULES
+from ..pipeline.schedules import SCHEDULES, ScheduleName
 from .shard import ShardParallel
 
 __all__ = [
@@ -26,10 +27,15 @@ __all__ = [
 ]
 
 
-def _positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner}.{name}: {value!r} is invalid; expected an int >= 1")
-    return value
+#: How a stage's cost is found: composed from per-layer ILPs, or one ILP per layer range.
+Profiling = Literal["individual", "whole"]
+#: Which logical meshes a submesh offers (see ``AutoStageOption``).
+LogicalShapeSpace = Literal["auto", "1d", "model_parallel_in_host"]
+#: Which submeshes the stage DP may use (see ``AutoStageOption``).
+SubmeshSpace = Literal["power_of_two", "all", "one_host"]
+#: How a stage prices bringing gradients into their parameters' layouts.
+GradientSync = Literal["after", "ilp"]
+LOGICAL_SHAPE_SPACES: tuple[str, ...] = get_args(LogicalShapeSpace)
 
 
 def _shape(owner: str, name: str, value: object, dims: int | None = None) -> tuple[int, ...]:
@@ -56,7 +62,7 @@ class AutoLayerOption:
     eps: float = 0.1
 
     def __post_init__(self) -> None:
-        _positive_int("AutoLayerOption", "layer_num", self.layer_num)
+        positive_int("AutoLayerOption.layer_num", self.layer_num)
         if not self.eps >= 0:
             raise ConfigError(f"AutoLayerOption.eps: {self.eps!r} is invalid; expected >= 0")
 
@@ -64,9 +70,6 @@ class AutoLayerOption:
 @dataclass(frozen=True)
 class ManualLayerOption:
     """Layers end at the step's ``mark_pipeline_boundary()`` calls."""
-
-
-LOGICAL_SHAPE_SPACES = ("auto", "1d", "model_parallel_in_host")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class AutoStageOption:
     "model_parallel_in_host" 1-D and every 2-D (n / k, k) whose second axis k > 1 divides a
     host's devices (Alpa's single-node model parallel space: every (dp, tp) split Megatron
     would use, at up to log2(devices per host) more ILPs per layer and submesh).
-    memory_budget: bytes per device (None: the cluster's device memory).
+    memory_budget: moved to ``PipeshardParallel(memory_budget=...)``, the one place a
+    pipeline's per-device budget is set (setting it here is an error that says so).
     submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
     power-of-two slices of one host), as Alpa does by default; "all" also tries every other
     host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
@@ -98,37 +102,26 @@ class AutoStageOption:
     stage fits; one more ILP per layer and submesh.
     """
 
-    profiling: str = "individual"
-    logical_shapes: str = "auto"
+    profiling: Profiling = "individual"
+    logical_shapes: LogicalShapeSpace = "auto"
     memory_budget: float | None = None
-    submesh_space: str = "power_of_two"
+    submesh_space: SubmeshSpace = "power_of_two"
     refine: bool = False
     memory_lean: bool = False
     refine_within: float | None = None
 
     def __post_init__(self) -> None:
-        if self.profiling not in ("individual", "whole"):
-            raise ConfigError(
-                f"AutoStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
-            )
-        if self.logical_shapes not in LOGICAL_SHAPE_SPACES:
-            raise ConfigError(
-                f"AutoStageOption.logical_shapes: {self.logical_shapes!r} is not one of "
-                f"{', '.join(map(repr, LOGICAL_SHAPE_SPACES))}"
-            )
+        check_choice("AutoStageOption.profiling", self.profiling, get_args(Profiling))
+        check_choice("AutoStageOption.logical_shapes", self.logical_shapes, LOGICAL_SHAPE_SPACES)
         for name in ("refine", "memory_lean"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"AutoStageOption.{name}: {value!r} is not True or False")
-        if self.submesh_space not in ("power_of_two", "all", "one_host"):
+        check_choice("AutoStageOption.submesh_space", self.submesh_space, get_args(SubmeshSpace))
+        if self.memory_budget is not None:
             raise ConfigError(
-                f"AutoStageOption.submesh_space: {self.submesh_space!r} is not 'power_of_two', "
-                "'all' or 'one_host'"
-            )
-        if self.memory_budget is not None and not self.memory_budget > 0:
-            raise ConfigError(
-                f"AutoStageOption.memory_budget: {self.memory_budget!r} is invalid; "
-                "expected bytes > 0 or None"
+                f"AutoStageOption.memory_budget: {self.memory_budget!r}; the per-device budget "
+                "of a pipeline is set in one place now: PipeshardParallel(memory_budget=...)"
             )
         w = self.refine_within
         if w is not None and (isinstance(w, bool) or not isinstance(w, int | float) or not w >= 0):
@@ -151,14 +144,11 @@ class UniformStageOption:
     num_stages: int
     submesh_shape: tuple[int, int] = (1, 1)
     logical_shape: tuple[int, ...] | None = None
-    profiling: str = "whole"
+    profiling: Profiling = "whole"
 
     def __post_init__(self) -> None:
-        _positive_int("UniformStageOption", "num_stages", self.num_stages)
-        if self.profiling not in ("individual", "whole"):
-            raise ConfigError(
-                f"UniformStageOption.profiling: {self.profiling!r} is not 'individual' or 'whole'"
-            )
+        positive_int("UniformStageOption.num_stages", self.num_stages)
+        check_choice("UniformStageOption.profiling", self.profiling, get_args(Profiling))
         sub = _shape("UniformStageOption", "submesh_shape", self.submesh_shape, 2)
         object.__setattr__(self, "submesh_shape", sub)
         if self.logical_shape is not None:
@@ -241,7 +231,10 @@ class PipeshardParallel:
 
     num_micro_batches: B, the batch is split along its leading dimension.
     pipeline_schedule: "1f1b" or "gpipe". default_auto_sharding_option: ILP options per stage
-    (a ``ShardParallel``; its backend, time_limit, memory_budget, layout and batch_axis).
+    (a ``ShardParallel``; its backend, time_limit, layout and batch_axis; the fields a stage
+    cannot use, mesh_shape, num_micro_batches, replicate_outputs and memory_budget, must be
+    left at their defaults). memory_budget: bytes per device for every stage (None: the
+    cluster's device memory); this is the one place a pipeline's budget is set.
     gradient_sync: how a stage prices bringing each parameter's gradient into the
     parameter's layout (where the optimiser applies it). "after": priced once the stage's
     ILP is solved (fast; the ILP does not see it). "ilp": tied inside the ILP, which then
@@ -254,10 +247,11 @@ class PipeshardParallel:
     stage_option: AutoStageOption | UniformStageOption | ManualStageOption = field(
         default_factory=AutoStageOption
     )
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: ScheduleName = "1f1b"
     default_auto_sharding_option: ShardParallel = field(default_factory=ShardParallel)
-    gradient_sync: str = "after"
+    gradient_sync: GradientSync = "after"
     plan: Any = None  # a PipeshardPlan to replay without planning
+    memory_budget: float | None = None
 
     @classmethod
     def from_plan(cls, plan: Any, **options: Any) -> PipeshardParallel:
@@ -274,7 +268,7 @@ class PipeshardParallel:
         )
 
     def __post_init__(self) -> None:
-        _positive_int("PipeshardParallel", "num_micro_batches", self.num_micro_batches)
+        positive_int("PipeshardParallel.num_micro_batches", self.num_micro_batches)
         if not isinstance(self.layer_option, AutoLayerOption | ManualLayerOption):
             raise ConfigError(
                 f"PipeshardParallel.layer_option: {self.layer_option!r} is not an "
@@ -287,9 +281,11 @@ class PipeshardParallel:
                 f"PipeshardParallel.stage_option: {self.stage_option!r} is not an "
                 "AutoStageOption, UniformStageOption or ManualStageOption"
             )
-        if self.gradient_sync not in ("after", "ilp"):
+        check_choice("PipeshardParallel.gradient_sync", self.gradient_sync, get_args(GradientSync))
+        if self.memory_budget is not None and not self.memory_budget > 0:
             raise ConfigError(
-                f"PipeshardParallel.gradient_sync: {self.gradient_sync!r} is not 'after' or 'ilp'"
+                f"PipeshardParallel.memory_budget: {self.memory_budget!r} is invalid; expected "
+                "bytes > 0 or None (the device's memory)"
             )
         sched = str(self.pipeline_schedule).lower()
         if sched not in SCHEDULES:
@@ -302,4 +298,26 @@ class PipeshardParallel:
             raise ConfigError(
                 "PipeshardParallel.default_auto_sharding_option: expected a ShardParallel, got "
                 f"{self.default_auto_sharding_option!r}"
+            )
+        _check_stage_sharding(self.default_auto_sharding_option)
+
+
+#: ShardParallel fields a pipeline stage cannot use, with why.
+_UNUSED_PER_STAGE = {
+    "mesh_shape": "each stage's logical mesh comes from the stage option",
+    "num_micro_batches": "set PipeshardParallel(num_micro_batches=...)",
+    "replicate_outputs": "stage outputs are laid out for the next stage",
+    "memory_budget": "set PipeshardParallel(memory_budget=...)",
+}
+
+
+def _check_stage_sharding(option: ShardParallel) -> None:
+    """Refuse a field of ``default_auto_sharding_option`` that stages would ignore."""
+    default = ShardParallel()
+    for name, why in _UNUSED_PER_STAGE.items():
+        value = getattr(option, name)
+        if value != getattr(default, name):
+            raise ConfigError(
+                f"PipeshardParallel.default_auto_sharding_option.{name}: {value!r} is not used "
+                f"by pipeline stages ({why}); leave it at {getattr(default, name)!r}"
             )

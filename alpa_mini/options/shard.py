@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from .._validate import check_choice, positive_int
 from ..errors import ConfigError
 from ..shard.spec import ShardingSpec
 
@@ -29,7 +31,12 @@ __all__ = [
     "candidate_mesh_shapes",
 ]
 
-LAYOUTS = ("auto", "data", "zero2", "zero3")
+#: How inputs are laid out: chosen by the ILP, or pinned like a preset.
+Layout = Literal["auto", "data", "zero2", "zero3"]
+#: The MIP backend: HiGHS where highspy is installed ("auto"), else CBC.
+Backend = Literal["auto", "highs", "cbc"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,9 @@ class ShardParallel:
     batch_axis: int | None = None
     num_micro_batches: int = 1
     replicate_outputs: bool = False
-    backend: str = "auto"
+    backend: Backend = "auto"
     time_limit: float = 60.0
-    layout: str = "auto"
+    layout: Layout = "auto"
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:
@@ -71,12 +78,9 @@ class ShardParallel:
             not isinstance(self.batch_axis, int) or self.batch_axis < 0
         ):
             raise ConfigError(f"batch_axis: {self.batch_axis!r} is not a mesh axis index >= 0")
-        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
-            raise ConfigError(
-                f"num_micro_batches: {self.num_micro_batches!r} is invalid; expected an int >= 1"
-            )
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout: {self.layout!r} is not one of {LAYOUTS}")
+        positive_int("num_micro_batches", self.num_micro_batches)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("backend", self.backend, BACKENDS)
         if not self.time_limit > 0:
             raise ConfigError(f"time_limit: {self.time_limit!r} must be seconds > 0")
 

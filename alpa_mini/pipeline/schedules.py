@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, get_args
+
+from .._validate import positive_int
 
 __all__ = [
     "SCHEDULES",
@@ -21,14 +23,10 @@ __all__ = [
     "one_f_one_b",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+#: The pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B.
+ScheduleName = Literal["gpipe", "1f1b"]
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 _KINDS = ("fwd", "bwd")
-
-
-def _check_positive_int(field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{field} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -64,8 +62,8 @@ class Schedule:
     ticks: tuple[tuple[Task | None, ...], ...]
 
     def __post_init__(self) -> None:
-        _check_positive_int("num_stages", self.num_stages)
-        _check_positive_int("num_micro_batches", self.num_micro_batches)
+        positive_int("num_stages", self.num_stages)
+        positive_int("num_micro_batches", self.num_micro_batches)
         ticks = tuple(tuple(row) for row in self.ticks)
         for t, row in enumerate(ticks):
             if len(row) != self.num_stages:
@@ -185,8 +183,8 @@ def _asap(
 
 def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
     """All forwards pipelined, then all backwards pipelined in reverse; 2(B+S-1) ticks."""
-    S = _check_positive_int("num_stages", num_stages)
-    B = _check_positive_int("num_micro_batches", num_micro_batches)
+    S = positive_int("num_stages", num_stages)
+    B = positive_int("num_micro_batches", num_micro_batches)
     ticks: list[list[Task | None]] = [[None] * S for _ in range(2 * (B + S - 1))]
     first_bwd = S + B - 1  # the last stage's first backward follows its last forward
     for s in range(S):
@@ -198,8 +196,8 @@ def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
 
 def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
     """PipeDream-flush 1F1B: min(S-s, B) warm-up forwards, then alternate backward/forward."""
-    S = _check_positive_int("num_stages", num_stages)
-    B = _check_positive_int("num_micro_batches", num_micro_batches)
+    S = positive_int("num_stages", num_stages)
+    B = positive_int("num_micro_batches", num_micro_batches)
     per_mesh = []
     for s in range(S):
         warmup = min(S - s, B)

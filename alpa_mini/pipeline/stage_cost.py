@@ -23,7 +23,6 @@ from ..errors import MemoryBudgetError
 from ..graph.grad_capture import GradCapture
 from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
-    AutoStageOption,
     PipeshardParallel,
 )
 from ..shard.cost_model import CostModel
@@ -487,10 +486,9 @@ def _nbytes(aval: Any) -> float:
 
 
 def _budget(method: PipeshardParallel, cluster: ClusterSpec) -> float:
-    so = method.stage_option
-    if isinstance(so, AutoStageOption) and so.memory_budget is not None:
-        return so.memory_budget
-    return method.default_auto_sharding_option.memory_budget or cluster.device.memory_bytes
+    """Bytes per device a stage may use (``PipeshardParallel.memory_budget``, the one place
+    it is set; None: the device's memory)."""
+    return method.memory_budget or cluster.device.memory_bytes
 
 
 def _with_launches(model, sc: StageCost, sub: tuple[int, int], logical) -> StageCost:

@@ -339,10 +339,10 @@ def _least_pipeline_memory(
 ) -> float:
     """Smallest budget at which the DP finds a slicing, from stage plans made without a budget
     (each such plan stays feasible at any budget above its memory, so this budget fits)."""
-    free_option = dataclasses.replace(method.stage_option, memory_budget=math.inf)
-    unlimited = dataclasses.replace(method, stage_option=free_option)
+    unlimited = dataclasses.replace(method, memory_budget=math.inf)
     free_model = _StageModel(forward, capture, cluster, unlimited, state_total, param_total)
-    entries, _ = _cost_entries(free_model, starts, ends, shapes, configs, free_option, None)
+    option = method.stage_option
+    entries, _ = _cost_entries(free_model, starts, ends, shapes, configs, option, None)
     L, C = len(starts), max(len(c) for c in configs)
     candidates = sorted({sc.memory(k) for sc in entries.values() for k in range(1, L + 1)})
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from .._validate import positive_int
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
 
@@ -38,7 +39,6 @@ DEFAULT_CPU_HOSTS = 2
 DEFAULT_CPU_DEVICES_PER_HOST = 4
 #: Seconds to wait for the workers to start and report their devices.
 START_TIMEOUT = 120.0
-
 
 
 @dataclass
@@ -160,8 +160,12 @@ def _place_workers(
         bundles = [{"CPU": 1, "GPU": g} for g in gpu_nodes]
         strategy, cpu_devices = "STRICT_SPREAD", None
     else:
-        hosts = _positive("num_hosts", num_hosts, DEFAULT_CPU_HOSTS)
-        cpu_devices = _positive("num_cpu_devices", num_cpu_devices, DEFAULT_CPU_DEVICES_PER_HOST)
+        hosts = DEFAULT_CPU_HOSTS if num_hosts is None else positive_int("num_hosts", num_hosts)
+        cpu_devices = (
+            DEFAULT_CPU_DEVICES_PER_HOST
+            if num_cpu_devices is None
+            else positive_int("num_cpu_devices", num_cpu_devices)
+        )
         bundles = [{"CPU": 1}] * hosts
         strategy = "PACK"
     pg = placement_group(bundles, strategy=strategy)
@@ -235,11 +239,3 @@ def describe_workers(info: list[dict[str, Any]]) -> ClusterSpec:
         for d in w["devices"]
     ]
     return ClusterSpec.detect(devices)
-
-
-def _positive(field_name: str, value: int | None, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{field_name}: {value!r} is invalid; expected an integer >= 1")
-    return value

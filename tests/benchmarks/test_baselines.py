@@ -318,8 +318,10 @@ def test_memory_lean_configs_fit_where_speed_chosen_layers_do_not():
     step, args = _mlp_args(width=1024, batch=512)
 
     def plan(lean: bool, budget: float):
-        option = alpa_mini.AutoStageOption(memory_lean=lean, memory_budget=budget)
-        method = alpa_mini.PipeshardParallel(num_micro_batches=1, stage_option=option)
+        option = alpa_mini.AutoStageOption(memory_lean=lean)
+        method = alpa_mini.PipeshardParallel(
+            num_micro_batches=1, stage_option=option, memory_budget=budget
+        )
         return alpa_mini.plan(step, *args, method=method, cluster=FOUR)
 
     with pytest.raises(alpa_mini.MemoryBudgetError) as info:

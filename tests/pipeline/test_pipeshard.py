@@ -169,7 +169,7 @@ def test_identical_layers_are_solved_once():
 def test_too_small_memory_names_the_minimum():
     _init("cpu-1x8")
     loss, params, data = _mlp_case()
-    method = PipeshardParallel(num_micro_batches=2, stage_option=AutoStageOption(memory_budget=64))
+    method = PipeshardParallel(num_micro_batches=2, memory_budget=64)
     opt = adam(1e-2)
     step = alpa_mini.parallelize(
         make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
@@ -179,9 +179,7 @@ def test_too_small_memory_names_the_minimum():
     need = info.value.min_budget
     assert need is not None and 64 < need < 2**20  # a real figure: the 4x16x16 MLP needs KiBs
     # ... and that budget is indeed enough to plan.
-    method = PipeshardParallel(
-        num_micro_batches=2, stage_option=AutoStageOption(memory_budget=need * 1.01)
-    )
+    method = PipeshardParallel(num_micro_batches=2, memory_budget=need * 1.01)
     step = alpa_mini.parallelize(
         make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
     )
@@ -369,8 +367,7 @@ def test_planning_again_while_an_earlier_failure_is_alive():
     cluster = ClusterSpec.named("cpu-1x8")
 
     def plan(budget):
-        stage = AutoStageOption(memory_budget=budget)
-        method = PipeshardParallel(num_micro_batches=2, stage_option=stage)
+        method = PipeshardParallel(num_micro_batches=2, memory_budget=budget)
         return alpa_mini.plan(step, *args, method=method, cluster=cluster)
 
     with pytest.raises(MemoryBudgetError) as info:

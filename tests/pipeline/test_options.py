@@ -1,0 +1,62 @@
+"""Options accept only what they use: choices from their ``Literal`` types, one positive-int
+check, one place for a pipeline's memory budget, and no ShardParallel field a stage ignores."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from alpa_mini import (
+    AutoLayerOption,
+    AutoStageOption,
+    ConfigError,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+)
+from alpa_mini.options import pipeshard, shard
+from alpa_mini.pipeline.schedules import SCHEDULES, ScheduleName
+
+
+def test_choice_sets_are_the_literal_types() -> None:
+    assert shard.LAYOUTS == typing.get_args(shard.Layout) == ("auto", "data", "zero2", "zero3")
+    assert typing.get_args(pipeshard.LogicalShapeSpace) == pipeshard.LOGICAL_SHAPE_SPACES
+    assert SCHEDULES == typing.get_args(ScheduleName) == ("gpipe", "1f1b")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ShardParallel(layout="zero4"), r"layout: 'zero4' is not one of 'auto', 'data'"),
+        (lambda: ShardParallel(backend="gurobi"), r"backend: 'gurobi' is not one of 'auto'"),
+        (lambda: AutoStageOption(submesh_space="any"), r"AutoStageOption.submesh_space: 'any'"),
+        (lambda: UniformStageOption(2, profiling="x"), r"UniformStageOption.profiling: 'x' is not"),
+        (lambda: PipeshardParallel(gradient_sync="now"), r"gradient_sync: 'now' is not one of"),
+        (lambda: AutoLayerOption(0), r"AutoLayerOption.layer_num: 0 is invalid; expected an int"),
+        (lambda: PipeshardParallel(num_micro_batches=True), r"num_micro_batches: True is invalid"),
+        (lambda: PipeshardParallel(memory_budget=-1.0), r"PipeshardParallel.memory_budget: -1.0"),
+    ],
+)
+def test_bad_values_name_the_field_the_value_and_what_is_valid(make, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_the_pipeline_budget_has_one_place() -> None:
+    with pytest.raises(ConfigError, match=r"PipeshardParallel\(memory_budget=\.\.\.\)"):
+        AutoStageOption(memory_budget=2**30)
+    with pytest.raises(ConfigError, match=r"default_auto_sharding_option.memory_budget: "):
+        PipeshardParallel(default_auto_sharding_option=ShardParallel(memory_budget=2**30))
+    assert PipeshardParallel(memory_budget=2**30).memory_budget == 2**30
+
+
+@pytest.mark.parametrize(
+    "field", [{"mesh_shape": (8,)}, {"num_micro_batches": 4}, {"replicate_outputs": True}]
+)
+def test_stage_sharding_options_refuse_fields_stages_ignore(field) -> None:
+    (name,) = field
+    with pytest.raises(ConfigError, match=rf"default_auto_sharding_option.{name}: .* not used"):
+        PipeshardParallel(default_auto_sharding_option=ShardParallel(**field))
+    used = ShardParallel(layout="zero3", backend="cbc", time_limit=5.0, batch_axis=0)
+    assert PipeshardParallel(default_auto_sharding_option=used).default_auto_sharding_option == used
