@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..cluster.spec import ClusterSpec
 from ..graph.planning_stats import PlanningStats
 from ..shard.spec import ShardingSpec
 from ..solvers.stages import StageProblem, StageSolution, stage_objective
 
 if TYPE_CHECKING:
-    from ..cluster.spec import ClusterSpec
     from .simulate import Simulation
 
 __all__ = ["PipeshardPlan", "StagePlan"]
@@ -99,6 +99,9 @@ class PipeshardPlan:
     stage_problem: StageProblem | None = None
     stage_solution: StageSolution | None = None
     planning: PlanningStats | None = None
+    #: The cluster it was planned for, so that the plan can be simulated on its own (plans
+    #: saved before this field name only ``cluster``).
+    cluster_spec: ClusterSpec | None = None
 
     @property
     def num_stages(self) -> int:
@@ -130,6 +133,7 @@ class PipeshardPlan:
             if self.stage_solution is None
             else self.stage_solution.to_dict(),
             "planning": None if self.planning is None else self.planning.to_dict(),
+            "cluster_spec": None if self.cluster_spec is None else self.cluster_spec.to_dict(),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -161,6 +165,9 @@ class PipeshardPlan:
                 if d.get("stage_solution") is None
                 else StageSolution.from_dict(d["stage_solution"]),
                 planning=PlanningStats.from_dict(d.get("planning")),
+                cluster_spec=None
+                if d.get("cluster_spec") is None
+                else ClusterSpec.from_dict(d["cluster_spec"]),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise ValueError(f"plan: missing or malformed field {err}") from None
@@ -238,28 +245,23 @@ class PipeshardPlan:
         where the schedule's bubbles are before running anything.
 
         ``cluster``: a ``ClusterSpec``, a bundled name or a cluster YAML path; None: the
-        cluster the plan names, when ``alpa_mini.init`` set it up or it is a bundled one.
+        cluster the plan was made for (stored in it; older plan files name a bundled one).
         """
-        from ..cluster.spec import ClusterSpec
         from ..errors import ConfigError
         from ..inspect.timeline import mesh_track_names, simulated_events, write_timeline
         from .simulate import simulate_plan
 
-        if cluster is None:
-            from ..session import local as device_setup
-
-            current = device_setup.current_cluster() if device_setup.is_initialized() else None
-            if current is not None and current.name == self.cluster:
-                spec = current  # e.g. a "detected-..." cluster of init("local")
-            else:
-                try:
-                    spec = ClusterSpec.named(self.cluster)
-                except ConfigError as err:
-                    raise ConfigError(
-                        f"cluster: the plan's cluster {self.cluster!r} is neither a bundled "
-                        "cluster nor the one alpa_mini.init() set up; pass cluster= a "
-                        f"ClusterSpec or a bundled name ({err})"
-                    ) from None
+        if cluster is None and self.cluster_spec is not None:
+            spec = self.cluster_spec
+        elif cluster is None:
+            try:
+                spec = ClusterSpec.named(self.cluster)
+            except ConfigError as err:
+                raise ConfigError(
+                    f"cluster: the plan file stores no cluster_spec and its cluster "
+                    f"{self.cluster!r} is not a bundled one; pass cluster= a ClusterSpec or a "
+                    f"bundled name ({err})"
+                ) from None
         elif isinstance(cluster, ClusterSpec):
             spec = cluster
         elif isinstance(cluster, str):

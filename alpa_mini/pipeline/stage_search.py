@@ -90,6 +90,7 @@ def plan_pipeline(
         schedule=method.pipeline_schedule,
         num_micro_batches=method.num_micro_batches,
         cluster=cluster.name,
+        cluster_spec=cluster,
         stage_problem=chosen.problem,
         stage_solution=chosen.solution,
         planning=PlanningStats(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import alpa_mini
-from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, UniformStageOption
+from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, PipeshardPlan, UniformStageOption
 from alpa_mini.inspect.timeline import (
     bubble_fraction,
     mesh_track_names,
@@ -209,8 +209,9 @@ def test_plan_timeline_writes_the_simulated_iteration(mlp, tmp_path):
 
 def test_plan_timeline_names_the_cluster_it_cannot_resolve(mlp, tmp_path):
     ex, _ = mlp
-    custom = dataclasses.replace(ex.plan, cluster="my-own-cluster")
-    with pytest.raises(ConfigError, match=r"cluster: the plan's cluster 'my-own-cluster'"):
+    # A plan file saved before plans stored their cluster names a cluster that is not bundled.
+    custom = dataclasses.replace(ex.plan, cluster="my-own-cluster", cluster_spec=None)
+    with pytest.raises(ConfigError, match=r"cluster: the plan file stores no cluster_spec and"):
         custom.timeline(tmp_path / "x.json")
     with pytest.raises(ConfigError, match=r"cluster 'no-such-cluster'"):
         ex.plan.timeline(tmp_path / "x.json", "no-such-cluster")
@@ -222,20 +223,16 @@ def test_plan_timeline_names_the_cluster_it_cannot_resolve(mlp, tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_plan_timeline_uses_the_cluster_init_set_up(mlp, tmp_path):
-    """A plan made under init("local") names a "detected-..." cluster that is not bundled."""
+def test_a_plan_carries_its_cluster(mlp, tmp_path):
+    """A plan made for a cluster that is not bundled (e.g. init("local")'s "detected-...")
+    simulates on that cluster by itself, also from its JSON, whatever alpa_mini.init says."""
     ex, _ = mlp
     lab = dataclasses.replace(ClusterSpec.named("cpu-2x4"), name="my-lab")
-    plan = dataclasses.replace(ex.plan, cluster="my-lab")
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=lab)
-    try:
-        sim = plan.timeline(tmp_path / "lab.json", png=False)
-    finally:
-        alpa_mini.shutdown()
-        alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    plan = dataclasses.replace(ex.plan, cluster="my-lab", cluster_spec=lab)
+    plan = PipeshardPlan.from_json(plan.to_json())
+    assert plan.cluster_spec == lab
+    sim = plan.timeline(tmp_path / "lab.json", png=False)
     assert sim.spans == simulate_plan(plan, lab).spans
     # two hosts: the activations cross the slower inter-host link, so cpu-1x8 differs
     assert sim.iteration_time > simulate_plan(plan, ClusterSpec.named("cpu-1x8")).iteration_time
-    with pytest.raises(ConfigError, match="cluster: the plan's cluster 'my-lab'"):
-        plan.timeline(tmp_path / "lab.json")  # init's cluster is cpu-1x8 again
+    assert ex.plan.cluster_spec == ClusterSpec.named("cpu-1x8")  # what it was planned for
