@@ -11,41 +11,26 @@ results out) so a layer stack written with ``lax.scan`` plans like the unrolled 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from .jaxpr_walk import (
+    INLINED_PRIMITIVES,
+    call_jaxpr_of,
+    equation_flops,
+    jaxpr_flops,
+    subjaxprs,
+)
 from .markers import MARKER_NAME
 from .op_graph import OpGraph, OpNode, Tensor
 
-__all__ = ["INLINED_PRIMITIVES", "OPAQUE_PRIMITIVES", "call_jaxpr_of", "trace_jaxpr"]
+__all__ = ["OPAQUE_PRIMITIVES", "trace_jaxpr"]
 
-#: Equations whose sub-jaxpr is inlined (param name of the sub-jaxpr).
-INLINED_PRIMITIVES = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "checkpoint": "jaxpr",
-    "remat2": "jaxpr",
-    "remat": "jaxpr",
-}
 #: Control flow kept as one node: its operands and results stay replicated.
 OPAQUE_PRIMITIVES = ("while", "cond")
-
-
-def call_jaxpr_of(eqn: Any) -> tuple[Jaxpr, Sequence[Any]]:
-    """The inlined sub-jaxpr of a call-like equation and its closed-over constants."""
-    sub = eqn.params[INLINED_PRIMITIVES[eqn.primitive.name]]
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
 
 
 def _dtype(aval: Any) -> tuple[str, int]:
@@ -54,50 +39,6 @@ def _dtype(aval: Any) -> tuple[str, int]:
     except TypeError:  # extended dtypes such as PRNG keys
         return str(aval.dtype), int(getattr(aval.dtype, "itemsize", 8) or 8)
     return dt.name, dt.itemsize
-
-
-def _subjaxprs(eqn: Any) -> list[Jaxpr]:
-    found = []
-    for value in eqn.params.values():
-        values = value if isinstance(value, tuple) else (value,)
-        for v in values:
-            if isinstance(v, ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, Jaxpr):
-                found.append(v)
-    return found
-
-
-def _jaxpr_flops(jaxpr: Jaxpr) -> float:
-    """Flops of a whole sub-jaxpr (used to summarise opaque control flow)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        subs = _subjaxprs(eqn)
-        if subs:
-            scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-            total += scale * sum(_jaxpr_flops(s) for s in subs)
-        else:
-            total += equation_flops(eqn)
-    return total
-
-
-def equation_flops(eqn: Any) -> float:
-    """Floating-point operations of one leaf equation (a multiply-add counts 2)."""
-    name = eqn.primitive.name
-    outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
-    ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
-    out_size = sum(math.prod(a.shape) for a in outs)
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = ins[0].shape
-        return 2.0 * out_size * math.prod(lhs[d] for d in lc)
-    if name == "conv_general_dilated":
-        rhs = ins[1].shape
-        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-        per_output = math.prod(rhs) / rhs[out_feature_dim]
-        return 2.0 * out_size * per_output
-    in_size = max((math.prod(a.shape) for a in ins), default=0)
-    return float(max(out_size, in_size))
 
 
 class _Builder:
@@ -169,7 +110,7 @@ class _Builder:
         for k, var in enumerate(eqn.outvars):
             tid = self.tensor(var.aval, node_id, "intermediate", f"{name}.{node_id}.{k}")
             outs.append(tid)
-        flops = sum(_jaxpr_flops(s) for s in _subjaxprs(eqn)) if opaque else equation_flops(eqn)
+        flops = sum(jaxpr_flops(s) for s in subjaxprs(eqn)) if opaque else equation_flops(eqn)
         self.node(
             primitive=name,
             inputs=tuple(ins),

@@ -17,11 +17,11 @@ from jax.extend.core import ClosedJaxpr
 
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
+from ..graph.jaxpr_walk import flatten_calls
 from ..options.pipeshard import PipeshardParallel
 from ..runtime.instructions import format_stream
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
-from .layers import flatten_calls
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .plan import PipeshardPlan
 from .schedules import make_schedule

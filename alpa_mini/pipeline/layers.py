@@ -12,72 +12,20 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from ..graph.jaxpr_walk import eqn_total_flops
 from ..graph.markers import MARKER_NAME
-from ..graph.tracing import _jaxpr_flops, _subjaxprs, equation_flops
 from ..options.pipeshard import AutoLayerOption, ManualLayerOption
-from ..shard.lower import _equation_context
 from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
 
 __all__ = [
     "cluster_layer_starts",
-    "eval_eqns",
-    "flatten_calls",
     "layer_hash",
     "layer_starts",
     "marker_layer_starts",
 ]
-
-_FLATTENED = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-}
-
-
-def eval_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
-    """Evaluate equations in order, reading and writing ``env`` (var -> value)."""
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for eqn in eqns:
-        invals = [read(v) for v in eqn.invars]
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with _equation_context(eqn):
-            ans = eqn.primitive.bind(*invals, **params)
-        outs = ans if eqn.primitive.multiple_results else [ans]
-        env.update(zip(eqn.outvars, outs, strict=True))
-
-
-def _inline(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in _FLATTENED:
-            sub = eqn.params[_FLATTENED[name]]
-            sub_j, sub_c = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, ())
-            outs = _inline(sub_j, sub_c, [read(v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs, strict=True))
-        else:
-            eval_eqns([eqn], env)
-    return [read(v) for v in jaxpr.outvars]
-
-
-def flatten_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """The same function with nested ``jit``/``closed_call`` bodies spliced in."""
-    if not any(e.primitive.name in _FLATTENED for e in closed.jaxpr.eqns):
-        return closed
-    return jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*closed.in_avals)
 
 
 def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
@@ -91,14 +39,6 @@ def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def _eqn_flops(eqn: Any) -> float:
-    subs = _subjaxprs(eqn)
-    if subs:
-        scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        return scale * sum(_jaxpr_flops(s) for s in subs)
-    return equation_flops(eqn)
-
-
 def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tuple[int, ...]:
     """Layer starts chosen by ``solvers.layer_clustering``: flops within (1+eps)·mean per layer
     while the largest activation crossing a cut is as small as possible."""
@@ -107,7 +47,7 @@ def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tup
     if n == 0:
         raise ValueError("layer_option: the loss function has no equations to split into layers")
     num_layers = min(num_layers, n)
-    flops = np.array([_eqn_flops(e) for e in eqns], dtype=np.float64)
+    flops = np.array([eqn_total_flops(e) for e in eqns], dtype=np.float64)
     # Every equation weighs at least a little, so zero-flop stretches still get balanced.
     flops = np.maximum(flops, 1e-3 * max(float(flops.sum()), 1.0) / n)
     producer: dict[Any, int] = {}

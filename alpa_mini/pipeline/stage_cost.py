@@ -21,6 +21,7 @@ from jax.extend.core import ClosedJaxpr
 from ..cluster.spec import ClusterSpec
 from ..errors import MemoryBudgetError
 from ..graph.grad_capture import GradCapture
+from ..graph.jaxpr_walk import eval_eqns
 from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
     PipeshardParallel,
@@ -31,7 +32,6 @@ from ..shard.problem import plan_sharding
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
 from .layers import (
-    eval_eqns,
     layer_hash,
 )
 from .stage_configs import StageConfig

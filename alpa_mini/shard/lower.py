@@ -12,7 +12,6 @@ re-interpreted body.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +19,9 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding
 
+from ..graph.jaxpr_walk import INLINED_PRIMITIVES, bind_equation, call_jaxpr_of
 from ..graph.markers import MARKER_NAME
 from ..graph.op_graph import OpGraph
-from ..graph.tracing import INLINED_PRIMITIVES, call_jaxpr_of
 from .plan import ShardingPlan
 from .spec import ShardingSpec
 
@@ -93,10 +92,7 @@ class _Interpreter:
             else:
                 node_id = self.node_at[here]
                 invals = [self.operand(x, node_id, k) for k, x in enumerate(invals)]
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with _equation_context(eqn):
-                    ans = eqn.primitive.bind(*invals, **params)
-                outs = list(ans) if eqn.primitive.multiple_results else [ans]
+                outs = bind_equation(eqn, invals)
                 outs = [
                     self.pin(x, self.spec_of(path, v))
                     for x, v in zip(outs, eqn.outvars, strict=True)
@@ -131,20 +127,6 @@ class _Interpreter:
         )
         outs = [*carry, *ys]
         return [self.pin(x, self.spec_of(path, v)) for x, v in zip(outs, eqn.outvars, strict=True)]
-
-
-def _equation_context(eqn: Any) -> contextlib.ExitStack:
-    """The equation's own context (source location, name stack), as ``jax.core.eval_jaxpr``
-    uses it, so the compiled HLO's metadata still points at the user's code."""
-    from jax._src import source_info_util
-
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    stack = contextlib.ExitStack()
-    stack.enter_context(
-        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
-    )
-    stack.enter_context(eqn.ctx.manager)
-    return stack
 
 
 def build_sharded_function(

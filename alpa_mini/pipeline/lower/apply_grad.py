@@ -16,8 +16,8 @@ import jax
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ...graph.jaxpr_walk import eval_eqns
 from ...runtime.instructions import Instruction, Put, Run
-from ..layers import eval_eqns
 
 __all__ = ["apply_updates"]
 

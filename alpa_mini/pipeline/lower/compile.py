@@ -29,9 +29,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ...graph.grad_capture import GRAD_NAME, GradCapture
+from ...graph.jaxpr_walk import eval_eqns
 from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from ...shard.spec import ShardingSpec
-from ..layers import eval_eqns
 from ..schedules import Schedule
 from ..stage_slice import StageSlice, slice_stage
 from .apply_grad import apply_updates
@@ -72,7 +72,6 @@ def grad_equation(step: Jaxpr) -> int:
             f"exactly once (found {len(found)}); jax.grad is not visible to the pipeline planner"
         )
     return found[0]
-
 
 
 @dataclass
