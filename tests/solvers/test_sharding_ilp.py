@@ -155,6 +155,19 @@ def test_example_closed_form() -> None:
     assert free.objective == brute_force_sharding(problem.with_usage_limit(None))[1].cost
 
 
+def test_a_limit_that_can_bind_gets_a_warm_start_even_on_small_cores() -> None:
+    """The example's limit (50) excludes its unconstrained optimum, so the MIP is handed a
+    local-search incumbent (a time limit then still ends with a plan); a limit no assignment
+    can reach costs nothing extra."""
+    problem = load_iopddl(EXAMPLE)
+    bound = solve_sharding(problem, time_limit=10.0)
+    assert "heuristic" in bound.timings
+    assert bound.objective == 445
+    loose = solve_sharding(problem.with_usage_limit(1e12), time_limit=10.0)
+    assert "heuristic" not in loose.timings
+    assert loose.objective == 415
+
+
 def test_alias_pairs_force_equal_choices() -> None:
     # Node 1 alone prefers strategy 1, node 0 strategy 0; aliased, they must agree.
     problem = ShardingProblem.from_lists(costs=[[0.0, 5.0], [7.0, 0.0]], aliases=[[0, 1]])
