@@ -33,7 +33,7 @@ from .options.shard import ShardParallel
 from .session import local as device_setup
 from .shard.executable import Executable
 from .shard.lower import build_sharded_function
-from .shard.plan import ShardingPlan
+from .shard.plan import MeshTrial, ShardingPlan
 from .shard.search import plan_shard
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def plan(
     ``ClusterSpec``, a bundled cluster name or a cluster YAML path; None plans for the
     cluster of ``alpa_mini.init``. Planning needs no devices, so any cluster can be planned.
     The other arguments mean what they mean for ``parallelize``; ``progress`` receives a line
-    per planning step of PipeshardParallel.
+    per planning step (per mesh tried, for ShardParallel).
     """
     step = parallelize(
         fun,
@@ -193,7 +193,7 @@ class ParallelizedFunction:
 
             step_fun = StepFun(self.fun, call.static, call.in_tree)
             return plan_pipeshard(step_fun, call.avals, call.roles, self.method, spec, progress)
-        return self._plan_shard(call, self._trace(call), spec, t0)
+        return self._plan_shard(call, self._trace(call), spec, t0, progress)
 
     def _prepare(self, args: tuple[Any, ...]) -> _Call:
         """One call's arguments: static ones split off, the rest flattened and made abstract,
@@ -307,10 +307,20 @@ class ParallelizedFunction:
         return _Traced(closed, out_shape, out_tree, graph, t1 - t0, time.perf_counter() - t1)
 
     def _plan_shard(
-        self, call: _Call, traced: _Traced, cluster: ClusterSpec, t0: float
+        self,
+        call: _Call,
+        traced: _Traced,
+        cluster: ClusterSpec,
+        t0: float,
+        progress: Callable[[str], None] | None = None,
     ) -> ShardingPlan:
         """The mesh search's plan, with where planning spent its time."""
         t1 = time.perf_counter()
+
+        def tell(trial: MeshTrial) -> None:
+            if progress is not None:
+                progress(f"mesh {trial.label()} ({trial.outcome}, {trial.seconds:.1f} s)")
+
         plan = plan_shard(
             traced.graph,
             cluster,
@@ -318,6 +328,7 @@ class ParallelizedFunction:
             call.roles,
             aliases=_aliases(call.dynamic, traced.out_shape, call.roles, call.owner),
             donated=self._donated(call.dynamic, call.owner, call.roles),
+            on_trial=tell,
         )
         now = time.perf_counter()
         stats = PlanningStats(
@@ -325,7 +336,7 @@ class ParallelizedFunction:
             graph_seconds=traced.graph_seconds,
             ilp_seconds=now - t1,
             total_seconds=now - t0,
-            ilps_solved=len(plan.mesh_search) or 1,
+            ilps_solved=len(plan.mesh_search),
         )
         return dataclasses.replace(plan, planning=stats)
 

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
     from .explain import Explanation
 
-__all__ = ["Alternative", "NodePlan", "PlannedCollective", "ShardingPlan", "TensorPlan"]
+__all__ = [
+    "Alternative", "MeshTrial", "NodePlan", "PlannedCollective", "ShardingPlan", "TensorPlan",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,32 @@ class PlannedCollective:
 
 
 @dataclass(frozen=True)
+class MeshTrial:
+    """One logical mesh the ShardParallel search planned: what came of it and how long it
+    took. ``predicted_time`` is None when nothing fit there (``detail`` says why)."""
+
+    shape: tuple[int, ...]
+    predicted_time: float | None
+    seconds: float = 0.0
+    outcome: str = "optimal"  # the ILP's status, or the error's class name
+    peak_memory: float | None = None
+    core_nodes: int | None = None  # ILP nodes left after simplification
+    detail: str = ""
+
+    def label(self) -> str:
+        what = "infeasible" if self.predicted_time is None else _seconds(self.predicted_time)
+        return f"{self.shape}: {what}"
+
+    @classmethod
+    def from_json(cls, item: Any) -> MeshTrial:
+        """A saved trial; plans saved before trials had timings stored ``[shape, time]``."""
+        if isinstance(item, list | tuple):
+            shape, t = item
+            return cls(tuple(shape), None if t is None else float(t))
+        return cls(**{**item, "shape": tuple(item["shape"])})
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """Per-tensor layouts, per-node strategies and predictions for one program on one mesh."""
 
@@ -122,7 +150,8 @@ class ShardingPlan:
     peak_memory: float
     memory_budget: float | None
     solver: dict[str, Any] = field(default_factory=dict)
-    mesh_search: tuple[tuple[tuple[int, ...], float | None], ...] = ()
+    #: Every mesh the search planned (provenance: ``==`` ignores it, as timings differ).
+    mesh_search: tuple[MeshTrial, ...] = field(default=(), compare=False)
     #: Where planning spent its time; not part of the plan's identity (``==`` ignores it).
     planning: PlanningStats | None = field(default=None, compare=False)
 
@@ -181,10 +210,7 @@ class ShardingPlan:
             f"({s.get('backend')}, {s.get('nodes')} nodes -> {s.get('core_nodes')} after simplify)",
         )
         if self.mesh_search:
-            tried = ", ".join(
-                f"{shape}: {'infeasible' if t is None else _seconds(t)}"
-                for shape, t in self.mesh_search
-            )
+            tried = ", ".join(t.label() for t in self.mesh_search)
             head.add_row("mesh search", tried)
         counts = self.collective_counts()
         head.add_row(
@@ -272,6 +298,7 @@ class ShardingPlan:
         ]
         data["collectives"] = [asdict(c) for c in self.collectives]
         data["output_specs"] = [s.to_list() for s in self.output_specs]
+        data["mesh_search"] = [asdict(t) for t in self.mesh_search]
         data["planning"] = None if self.planning is None else self.planning.to_dict()
         return json.dumps(enc(data))
 
@@ -339,10 +366,7 @@ class ShardingPlan:
             peak_memory=d["peak_memory"],
             memory_budget=d["memory_budget"],
             solver=d["solver"],
-            mesh_search=tuple(
-                (tuple(shape), t if t is None or isinstance(t, float) else float(t))
-                for shape, t in d["mesh_search"]
-            ),
+            mesh_search=tuple(MeshTrial.from_json(t) for t in d["mesh_search"]),
             planning=PlanningStats.from_dict(d.get("planning")),
         )
 

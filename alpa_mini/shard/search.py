@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..cluster.spec import ClusterSpec
@@ -18,7 +19,7 @@ from ..errors import ConfigError, MemoryBudgetError
 from ..graph.op_graph import OpGraph
 from ..options.shard import ShardParallel
 from .cost_model import CostModel
-from .plan import ShardingPlan
+from .plan import MeshTrial, ShardingPlan
 from .problem import plan_sharding
 
 __all__ = ["AXIS_NAMES", "plan_shard"]
@@ -34,30 +35,47 @@ def plan_shard(
     *,
     aliases: Sequence[tuple[int, int]] = (),
     donated: Sequence[int] = (),
+    on_trial: Callable[[MeshTrial], None] | None = None,
 ) -> ShardingPlan:
     """The fastest plan over ``method.mesh_shapes`` of the cluster's devices.
 
     Shapes where nothing fits the memory budget are skipped; when none fits, the error names
     the smallest budget found. Invalid requests (an explicit mesh shape or layout that cannot
-    be planned) raise ``ConfigError``."""
-    plans, errors = [], []
+    be planned) raise ``ConfigError``. ``on_trial`` hears of each mesh as soon as it is
+    planned; the returned plan's ``mesh_search`` lists them all."""
+    plans, trials, errors = [], [], []
     for shape in method.mesh_shapes(cluster.num_devices, cluster.devices_per_host):
+        t0 = time.perf_counter()
         try:
-            plans.append(_plan_on(graph, cluster, method, roles, shape, aliases, donated))
+            plan = _plan_on(graph, cluster, method, roles, shape, aliases, donated)
         except MemoryBudgetError as err:
             errors.append((shape, err))
+            trial = _failed(shape, err, t0)
         except ValueError as err:
             if method.mesh_shape is not None or method.layout != "auto":
                 raise ConfigError(str(err)) from None
             errors.append((shape, err))
+            trial = _failed(shape, err, t0)
+        else:
+            plans.append(plan)
+            trial = MeshTrial(
+                shape, plan.predicted_time, time.perf_counter() - t0,
+                outcome=str(plan.solver.get("status", "optimal")),
+                peak_memory=plan.peak_memory, core_nodes=plan.solver.get("core_nodes"),
+            )  # fmt: skip
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
     if not plans:
         _raise_nothing_fits(errors)
     best = min(plans, key=lambda p: p.predicted_time)
-    searched = tuple((p.mesh_shape, p.predicted_time) for p in plans)
-    searched += tuple((s, None) for s, _ in errors)
-    if len(searched) > 1:
-        best = dataclasses.replace(best, mesh_search=searched)
-    return best
+    return dataclasses.replace(best, mesh_search=tuple(trials))
+
+
+def _failed(shape: tuple[int, ...], err: Exception, t0: float) -> MeshTrial:
+    return MeshTrial(
+        shape, None, time.perf_counter() - t0, outcome=type(err).__name__, detail=str(err)
+    )
 
 
 def _plan_on(

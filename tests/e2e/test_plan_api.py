@@ -102,3 +102,29 @@ def test_no_cluster_and_no_init_is_a_clear_error() -> None:
     opt, args = _args()
     with pytest.raises(ConfigError, match=r"cluster: None plans for the cluster of alpa_mini.init"):
         alpa_mini.plan(make_train_step(_loss, opt), *args, method=ShardParallel())
+
+
+def test_mesh_search_records_every_mesh_tried_and_reports_each_as_it_goes(devices8) -> None:
+    """One ``MeshTrial`` per candidate mesh, in search order, the chosen one the fastest;
+    ``progress`` hears of each; the trials survive JSON, and plans saved with the older
+    ``[shape, time]`` pairs still load."""
+    from alpa_mini.options.shard import candidate_mesh_shapes
+    from alpa_mini.shard.plan import MeshTrial
+
+    opt, args = _args()
+    lines: list[str] = []
+    planned = alpa_mini.plan(
+        make_train_step(_loss, opt), *_abstract(args), method=ShardParallel(), progress=lines.append
+    )
+    shapes = candidate_mesh_shapes(8, alpa_mini.current_cluster().devices_per_host)
+    assert [t.shape for t in planned.mesh_search] == shapes
+    assert len(lines) == len(shapes) and all(line.startswith("mesh (") for line in lines)
+    fastest = min(planned.mesh_search, key=lambda t: t.predicted_time)
+    assert fastest.shape == planned.mesh_shape
+    assert fastest.predicted_time == pytest.approx(planned.predicted_time)
+    assert all(t.seconds > 0 and t.outcome == "optimal" for t in planned.mesh_search)
+    assert planned.planning.ilps_solved == len(shapes)
+    again = ShardingPlan.from_json(planned.to_json())
+    assert again.mesh_search == planned.mesh_search
+    legacy = MeshTrial.from_json([[2, 4], 0.5])
+    assert legacy == MeshTrial((2, 4), 0.5)
