@@ -205,11 +205,11 @@ def _num_layers(step: Any, args: tuple[Any, ...]) -> int:
     import jax
 
     from alpa_mini.options.pipeshard import ManualLayerOption
-    from alpa_mini.pipeline.executable import StepFun, _trace
+    from alpa_mini.pipeline.executable import StepFun, trace_step
     from alpa_mini.pipeline.layers import layer_starts
 
     flat, tree = jax.tree.flatten(args)
-    _, _, _, forward = _trace(StepFun(step, (), tree), list(flat), 1)
+    _, _, _, forward = trace_step(StepFun(step, (), tree), list(flat), 1)
     return len(layer_starts(forward, ManualLayerOption()))
 
 
