@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,24 +18,15 @@ from alpa_mini import (
     ShardingPlan,
     ShardParallel,
     UniformStageOption,
-    mark_pipeline_boundary,
 )
 from alpa_mini.models import adam, make_train_step
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
-
-def _loss(params, batch):
-    x = batch["x"]
-    for i, w in enumerate(params):
-        x = jnp.tanh(x @ w)
-        if i < len(params) - 1:
-            mark_pipeline_boundary()
-    return jnp.mean((x - batch["y"]) ** 2)
+_loss = marked_mlp_loss
 
 
 def _args(layers: int = 2, width: int = 64, batch: int = 32):
-    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
-    params = [jax.random.normal(k[i], (width, width)) * 0.1 for i in range(layers)]
-    data = {"x": jax.random.normal(k[-2], (batch, width)), "y": jnp.zeros((batch, width))}
+    params, data = marked_mlp_args(layers, width, batch, scale=0.1, zero_y=True)
     opt = adam(1e-3)
     return opt, (params, opt.init(params), data)
 

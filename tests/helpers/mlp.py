@@ -38,3 +38,25 @@ def mlp_inputs(batch: int, hidden: int):
 
 def mlp_forward(p, x):
     return jax.nn.relu(x @ p["w1"]) @ p["w2"]
+
+
+def marked_mlp_loss(params, batch):
+    """A tanh MLP with a pipeline boundary between layers (one layer per weight)."""
+    from alpa_mini import mark_pipeline_boundary
+
+    x = batch["x"]
+    for i, w in enumerate(params):
+        x = jnp.tanh(x @ w)
+        if i < len(params) - 1:
+            mark_pipeline_boundary()
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def marked_mlp_args(
+    layers: int = 4, width: int = 16, batch: int = 32, *, scale: float = 0.3, zero_y: bool = False
+):
+    """(params, batch) for ``marked_mlp_loss``: ``layers`` square weights, normal data."""
+    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
+    params = [jax.random.normal(k[i], (width, width)) * scale for i in range(layers)]
+    y = jnp.zeros((batch, width)) if zero_y else jax.random.normal(k[-1], (batch, width))
+    return params, {"x": jax.random.normal(k[-2], (batch, width)), "y": y}

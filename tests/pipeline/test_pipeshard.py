@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,28 +22,13 @@ from alpa_mini import (
     PipeshardParallel,
     PipeshardPlan,
     UniformStageOption,
-    mark_pipeline_boundary,
 )
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
-
-
-def _mlp_loss(params, batch):
-    x = batch["x"]
-    for i, w in enumerate(params):
-        x = jnp.tanh(x @ w)
-        if i < len(params) - 1:
-            mark_pipeline_boundary()
-    return jnp.mean((x - batch["y"]) ** 2)
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
 
 def _mlp_case(layers: int = 4, width: int = 16, batch: int = 32):
-    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
-    params = [jax.random.normal(k[i], (width, width)) * 0.3 for i in range(layers)]
-    data = {
-        "x": jax.random.normal(k[-2], (batch, width)),
-        "y": jax.random.normal(k[-1], (batch, width)),
-    }
-    return _mlp_loss, params, data
+    return (marked_mlp_loss, *marked_mlp_args(layers, width, batch))
 
 
 GPT = GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4)

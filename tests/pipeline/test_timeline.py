@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 import alpa_mini
@@ -22,6 +20,7 @@ from alpa_mini.models import adam, make_train_step
 from alpa_mini.pipeline.schedules import make_schedule
 from alpa_mini.pipeline.simulate import StageTiming, simulate, simulate_plan
 from alpa_mini.runtime.chrome_trace import TraceEvent, chrome_trace, measured_events
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -112,23 +111,12 @@ def test_plot_timeline_labels_wide_bars_with_their_micro_batch():
 # ---------------------------------------------------------------------- measured
 
 
-def _mlp_loss(params, batch):
-    x = batch["x"]
-    for i, w in enumerate(params):
-        x = jnp.tanh(x @ w)
-        if i < len(params) - 1:
-            alpa_mini.mark_pipeline_boundary()
-    return jnp.mean((x - batch["y"]) ** 2)
-
-
 @pytest.fixture(scope="module")
 def mlp():
     """A 2-stage, 4-micro-batch 1F1B MLP on cpu-1x8 (two 1x4 meshes) and its arguments."""
     alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    params = [jax.random.normal(k[i], (16, 16)) * 0.3 for i in range(4)]
-    data = {"x": jax.random.normal(k[4], (32, 16)), "y": jax.random.normal(k[5], (32, 16))}
+    params, data = marked_mlp_args(4, 16, 32)
     opt = adam(1e-2, eps=1e-3)
     method = PipeshardParallel(
         num_micro_batches=4,
@@ -136,7 +124,7 @@ def mlp():
         pipeline_schedule="1f1b",
     )
     step = alpa_mini.parallelize(
-        make_train_step(_mlp_loss, opt, alpa_mini.value_and_grad), method=method
+        make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad), method=method
     )
     args = (params, opt.init(params), data)
     return step.get_executable(*args), args
