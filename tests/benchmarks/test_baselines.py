@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import alpa_mini
-from alpa_mini import ClusterSpec, ConfigError, mark_pipeline_boundary
+from alpa_mini import ClusterSpec, ConfigError
 from alpa_mini.models import adam, make_train_step
 from benchmarks.baselines import megatron_configs, run_baseline, run_baselines
+from helpers.mlp import marked_mlp_loss
 
 OPT = adam(1e-3)
 
@@ -21,20 +22,12 @@ def _mlp_args(width: int, batch: int, layers: int = 4):
     """An abstract MLP train step: ``layers`` square ``width`` layers, one pipeline layer
     each, on ``batch`` rows."""
 
-    def loss(params, b):
-        x = b["x"]
-        for i, w in enumerate(params):
-            x = jnp.tanh(x @ w)
-            if i < len(params) - 1:
-                mark_pipeline_boundary()
-        return jnp.mean((x - b["y"]) ** 2)
-
     params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * layers
     batch = {
         "x": jax.ShapeDtypeStruct((batch, width), jnp.float32),
         "y": jax.ShapeDtypeStruct((batch, width), jnp.float32),
     }
-    step = make_train_step(loss, OPT, alpa_mini.value_and_grad)
+    step = make_train_step(marked_mlp_loss, OPT, alpa_mini.value_and_grad)
     return step, (params, jax.eval_shape(OPT.init, params), batch)
 
 
