@@ -174,7 +174,7 @@ class _Search:
     def explore(self, lo: float, sum_lb: float) -> None:
         """Find a strong incumbent early (a heuristic: exactness comes from :meth:`certify`).
 
-        Relaxed probes on a ladder ``lo + delta * (2**i - 1)`` up to the current ``t_hi``
+        Relaxed probes on a ladder ``lo + (hi - lo) * (2**i - 1) / 1024`` up to the current ``t_hi``
         (cheap, tight thresholds first), then a golden-section search of ``g(t) + (B - 1) t``
         around the best rung, and one exact probe at the best point found.
         """
@@ -190,10 +190,13 @@ class _Search:
         hi = t_hi()
         if not hi > lo:
             return
-        delta = (hi - lo) * 2.0**-10
         rungs, values = [lo], [value(lo)]
-        while rungs[-1] < t_hi():  # t_hi shrinks as the incumbent improves
-            rungs.append(min(lo + delta * (2.0 ** len(rungs) - 1.0), t_hi()))
+        # t_hi shrinks as the incumbent improves. The ladder passes hi by rung 11; the
+        # scaling by 2**-10 comes last so that a subnormal span (hi - lo) cannot underflow
+        # to a zero step, and the rung cap bounds the loop whatever the floats do.
+        while rungs[-1] < t_hi() and len(rungs) < 64:
+            rung = lo + (hi - lo) * (2.0 ** len(rungs) - 1.0) * 2.0**-10
+            rungs.append(min(rung, t_hi()))
             values.append(value(rungs[-1]))
         i = int(np.argmin(values))
         a, b = rungs[max(i - 1, 0)], rungs[min(i + 1, len(rungs) - 1)]

@@ -119,6 +119,25 @@ def _matches_brute_force(problem: StageProblem, solver) -> StageSolution | None:
     return got
 
 
+def test_subnormal_latencies_do_not_overflow_the_search() -> None:
+    """Found by hypothesis: a latency of 2.2e-313 (subnormal) made the incumbent search's
+    threshold ladder step underflow to zero, and it climbed until 2**k overflowed."""
+    inf = math.inf
+    cost = np.full((4, 4, 1, 1), inf)
+    cost[0, :, 0, 0] = [1.0, 1.0, 1.0, 2.2250738585e-313]
+    for i in range(1, 4):
+        cost[i, i:, 0, 0] = 0.0
+    problem = StageProblem(
+        num_hosts=1,
+        devices_per_host=1,
+        cost=cost,
+        max_succ=np.zeros((4, 4, 1, 1), dtype=np.int64),
+        num_micro_batches=2,
+    )
+    got = _matches_brute_force(problem, solve_stages)
+    assert got is not None and got.objective == 2 * 2.2250738585e-313
+
+
 @SETTINGS
 @given(small_problems())
 def test_fast_solver_matches_brute_force(problem: StageProblem) -> None:
