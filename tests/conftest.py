@@ -47,3 +47,32 @@ def devices8():
     alpa_mini.init(cluster=alpa_mini.ClusterSpec.named("cpu-1x8"))
     yield
     alpa_mini.shutdown()
+
+
+#: Test modules that take the most worker time in the whole suite, longest first (seconds
+#: on two loaded workers, `pytest -n 2 --dist loadscope --durations=60`, 2026-11-25). The
+#: whole suite runs with `--dist loadscope --no-loadscope-reorder`: one module per worker at
+#: a time, in collection order, so the long modules start first and the short ones fill the
+#: gaps (longest-processing-time-first) instead of one long module starting last.
+LONGEST_FIRST = (
+    "tests/runtime/test_ray_runtime.py",  # ~330 s: a Ray session, a 3-host mesh, a Ray job
+    "tests/pipeline/test_pipeshard.py",  # ~200 s
+    "tests/e2e/test_parallel_numerics.py",  # ~210 s
+    "tests/e2e/test_notebooks.py",  # ~155 s
+    "tests/pipeline/test_stage_definition.py",  # ~60 s
+    "tests/e2e/test_cli.py",  # ~55 s
+    "tests/runtime/test_ray_setup.py",  # ~50 s
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move the modules of ``LONGEST_FIRST`` to the front, in that order (a stable sort:
+    every other test keeps its place)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+
+    def key(item: pytest.Item) -> int:
+        path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)

@@ -3,6 +3,7 @@ against serial JAX and the local runtime, cross-host transfers, clear errors."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import time
@@ -52,25 +53,33 @@ def _train(method, steps=3, keep=None):
     return step, [np.asarray(x) for x in jax.tree.leaves((p, s))], losses
 
 
-def _serial(steps=3):
+@functools.cache
+def _serial_run() -> tuple[list[np.ndarray], list[float]]:
+    """Serial JAX, compiled once for the module: the state after 3 steps, 4 losses."""
     params, batch = _data()
     serial = jax.jit(make_train_step(_loss, OPT))
     p, s, losses = params, OPT.init(params), []
-    for _ in range(steps):
+    for i in range(4):
         p, s, loss = serial(p, s, batch)
         losses.append(float(loss))
-    return [np.asarray(x) for x in jax.tree.leaves((p, s))], losses
+        if i == 2:
+            leaves = [np.asarray(x) for x in jax.tree.leaves((p, s))]
+    return leaves, losses
+
+
+def _serial() -> tuple[list[np.ndarray], list[float]]:
+    """What ``_train`` (3 steps) gives on serial JAX: the final state and the losses."""
+    leaves, losses = _serial_run()
+    return leaves, losses[:3]
 
 
 METHODS = {
     "2 stages, 1F1B": PipeshardParallel(
         num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4), (2, 2))
     ),
-    "auto stages": PipeshardParallel(num_micro_batches=4, stage_option=AutoStageOption()),
-    "4 stages, GPipe": PipeshardParallel(
-        num_micro_batches=4,
-        stage_option=UniformStageOption(4, (1, 2)),
-        pipeline_schedule="gpipe",
+    # The DP picks 4 stages of (1, 2): two meshes per host worker.
+    "auto stages, GPipe": PipeshardParallel(
+        num_micro_batches=4, stage_option=AutoStageOption(), pipeline_schedule="gpipe"
     ),
 }
 
@@ -78,7 +87,7 @@ METHODS = {
 @pytest.fixture(scope="module")
 def ray_results(tmp_path_factory):
     """Train every method on Ray (one embedded head for the module), then locally; trace
-    one more step of the first method."""
+    one more step of the first method; then, in the same session, the worker failures."""
     alpa_mini.shutdown()
     results = {}
     try:
@@ -121,9 +130,12 @@ def ray_results(tmp_path_factory):
                 }
                 first_step = step
         # Last, as it kills a worker: the errors, in the same session.
-        results["errors"] = _span_and_dead_worker_errors(first_step)
+        results["errors"] = _worker_failures(first_step)
     finally:
         alpa_mini.shutdown()
+    from helpers.ray_heads import gone
+
+    results["errors"]["gone"] = gone(results["errors"].get("pids", []))
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
     for name in METHODS:  # the very plan Ray ran, replayed by the local runtime
         _, leaves, losses = _train(PipeshardParallel.from_plan(results[name]["plan"]))
@@ -201,7 +213,7 @@ def test_ray_trace_times_every_instruction_on_every_host(ray_results):
         assert x["dur"] == pytest.approx((t.end - t.start) * 1e6, rel=1e-9, abs=1e-6)
         assert x["ts"] == pytest.approx((t.start - t0) * 1e6, rel=1e-9, abs=1e-6)
     assert r["path"].with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    _, s_losses = _serial(steps=4)  # the traced step is the fourth
+    _, s_losses = _serial_run()  # the traced step is the fourth
     assert r["loss"] == pytest.approx(s_losses[3], rel=2e-5)
 
 
@@ -282,12 +294,13 @@ def test_a_stage_mesh_spanning_two_hosts_equals_serial_jax_and_the_local_runtime
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _span_and_dead_worker_errors(step) -> dict:
-    """A stage mesh over two hosts without span_hosts, then a step after host 1's worker
-    died: what each raised, and how long the second took."""
-    import ray
+def _worker_failures(step) -> dict:
+    """In the module's Ray session, after its training runs: a stage mesh over two hosts
+    without span_hosts; host 1's worker killed while steps run back to back; one more step
+    after it died. What each raised, and how long the failures took to surface."""
+    import threading
 
-    from helpers.ray_heads import gone
+    import ray
 
     wide = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(1, (2, 4)))
     out: dict = {}
@@ -296,25 +309,50 @@ def _span_and_dead_worker_errors(step) -> dict:
     except Exception as err:  # the test checks which
         out["span"] = err
     session = alpa_mini.session.ray_session()
-    ray.kill(session.workers[1], no_restart=True)  # asynchronous: wait for the death
-    out["gone"] = gone([session.worker_info[1]["pid"]])
+    out["pids"] = [w["pid"] for w in session.worker_info]
+    p, s, batch = _args()
+    p, s, _ = step(p, s, batch)
+    killed = threading.Event()
+
+    def kill():
+        time.sleep(0.3)
+        out["killed_at"] = time.monotonic()
+        killed.set()  # before the kill: the failing step may return before ray.kill does
+        ray.kill(session.workers[1], no_restart=True)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        for _ in range(500):  # a step takes about 0.1 s: the kill lands in one
+            p, s, _ = step(p, s, batch)
+    except Exception as err:  # the test checks which
+        since = time.monotonic() - out.get("killed_at", float("nan"))  # nan: not killed yet
+        out["mid_step"], out["mid_step_seconds"] = err, since
+    killer.join(timeout=30)
+    out["killed"] = killed.is_set()
     t0 = time.monotonic()
     try:
-        step(*_args())
+        step(p, s, batch)
     except Exception as err:  # the test checks which
         out["dead"] = err
     out["dead_seconds"] = time.monotonic() - t0
     return out
 
 
-def test_stage_spanning_hosts_and_dead_workers_are_clear_errors(ray_results):
+def test_spanning_hosts_and_killed_workers_are_clear_errors(ray_results):
+    """A stage over two hosts without span_hosts is a ConfigError naming the fix. Killing a
+    host worker while steps run back to back: the step in flight (or the next) raises
+    WorkerFailedError naming that host within 30 s, and so does a step after the death;
+    after shutdown() no worker of ours is left."""
     errors = ray_results["errors"]
     assert isinstance(errors.get("span"), ConfigError)
     assert re.search(r"stage 0: devices .* span hosts.*span_hosts=True", str(errors["span"]))
+    assert errors["killed"]
+    for key in ("mid_step", "dead"):
+        assert isinstance(errors.get(key), WorkerFailedError), (key, errors.get(key))
+        assert "worker of host 1" in str(errors[key]) and errors[key].host == 1
+        assert errors[f"{key}_seconds"] < 30.0
     assert errors["gone"]
-    assert isinstance(errors.get("dead"), WorkerFailedError)
-    assert "worker of host 1" in str(errors["dead"])
-    assert errors["dead_seconds"] < 30.0
 
 
 def test_ray_job_submit_runs_the_example(ray_head):
@@ -339,52 +377,3 @@ def test_ray_job_submit_runs_the_example(ray_head):
     losses = [float(words[3]) for words in steps]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "loss decreased" in out.stdout
-
-
-def test_killing_a_worker_mid_step_raises_within_30_s():
-    """Steps run back to back while another thread kills one host worker: the step in
-    flight (or the next) raises WorkerFailedError naming that host, well within 30 s; after
-    shutdown() no worker of ours is left and init() works again."""
-    import threading
-
-    import ray
-
-    from helpers.ray_heads import gone
-
-    big = GPTConfig(vocab_size=256, seq_len=64, hidden=128, num_heads=4, num_layers=4,
-                    pipeline_marks=True)  # fmt: skip
-
-    def loss(p, b):
-        return gpt_loss(p, b, big)
-
-    alpa_mini.shutdown()
-    try:
-        alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
-        session = alpa_mini.session.ray_session()
-        pids = [w["pid"] for w in session.worker_info]
-        method = PipeshardParallel(num_micro_batches=8, stage_option=UniformStageOption(2, (1, 4)))
-        train_step = make_train_step(loss, OPT, alpa_mini.value_and_grad)
-        step = alpa_mini.parallelize(train_step, method=method)
-        params = init_gpt(big, jax.random.PRNGKey(0))
-        batch = make_gpt_batch(big, jax.random.PRNGKey(1), 16)
-        p, s, _ = step(params, OPT.init(params), batch)  # compiled, running
-        killed = threading.Event()
-
-        def kill():
-            time.sleep(0.3)
-            killed.set()  # before the kill: the failing step may return before ray.kill does
-            ray.kill(session.workers[1], no_restart=True)
-
-        threading.Thread(target=kill).start()
-        with pytest.raises(WorkerFailedError, match="worker of host 1") as err:
-            for _ in range(200):
-                p, s, _ = step(p, s, batch)
-        assert killed.is_set() and err.value.host == 1
-    finally:
-        alpa_mini.shutdown()
-    assert gone(pids)
-    again = alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
-    try:
-        assert again.num_hosts == 2
-    finally:
-        alpa_mini.shutdown()
