@@ -176,7 +176,10 @@ def test_uniform_profiling_is_checked():
         alpa_mini.UniformStageOption(2, profiling="exact")
 
 
-@pytest.mark.parametrize(("width", "batch"), [(64, 4096), (1024, 8)])
+@pytest.mark.parametrize(
+    ("width", "batch"),
+    [(64, 4096), pytest.param(1024, 8, marks=pytest.mark.slow)],  # 5 s each: one is fast
+)
 def test_screened_grid_finds_the_exhaustive_best(width, batch):
     """Screening with composed stages and re-planning the best two whole finds the plan the
     exhaustive whole-stage search finds (or a faster composed one), on both known cases."""
