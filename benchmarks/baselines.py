@@ -137,7 +137,7 @@ def run_baseline(
     progress: Callable[[str], None] | None = None,
 ) -> BaselineResult:
     """Plan every configuration of baseline ``name`` for ``step`` (abstract ``args`` as for
-    ``plan_pipeshard``; the step's layers marked with ``mark_pipeline_boundary``) and keep
+    ``alpa_mini.plan``; the step's layers marked with ``mark_pipeline_boundary``) and keep
     the fastest simulated one that fits. ``ilp_option``: the stage ILPs' backend, time limit
     and memory budget (its layout options are the baseline's own).
 

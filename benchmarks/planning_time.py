@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{MICRO_BATCHES} micro-batches, `PipeshardParallel(memory_budget=1e15)` (individual "
         "profiling, power-of-two submeshes; the budget lifted so that every point ends in a "
         "plan) on `dgx-a100` clusters, each point a fresh process on this "
-        "machine's 2 shared CPU cores. Seconds of `plan_pipeshard` (tracing, per-layer ILPs, "
+        "machine's 2 shared CPU cores. Seconds of `alpa_mini.plan` (tracing, per-layer ILPs, "
         "stage DP); in brackets the ILPs solved and the plan's stage count.",
         "",
         header,
