@@ -250,7 +250,7 @@ class ParallelizedFunction:
 
             return compile_pipeshard_ray(
                 self.fun, call.avals, call.roles, call.in_tree, call.static, method, cluster,
-                session,
+                session, self._donated(call.dynamic, call.owner, call.roles),
             )  # fmt: skip
         if isinstance(method, PipeshardParallel):
             from .pipeline.executable import StepFun, compile_pipeshard
@@ -258,7 +258,7 @@ class ParallelizedFunction:
             step_fun = StepFun(self.fun, call.static, call.in_tree)
             return compile_pipeshard(
                 self.fun, step_fun, call.avals, call.roles, call.in_tree, call.static, method,
-                cluster,
+                cluster, self._donated(call.dynamic, call.owner, call.roles),
             )  # fmt: skip
         traced = self._trace(call)
         plan = self._plan_shard(call, traced, cluster, t0)

@@ -29,6 +29,7 @@ __all__ = [
     "Run",
     "Send",
     "format_stream",
+    "program_runs",
 ]
 
 
@@ -119,3 +120,12 @@ def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
     if limit is not None and len(stream) > limit:
         lines.append(f"... {len(stream) - limit} more")
     return "\n".join(lines)
+
+
+def program_runs(stream: list[Instruction]) -> list[tuple[str, int]]:
+    """Each program the stream runs and how often, in order of first run."""
+    runs: dict[str, int] = {}
+    for ins in stream:
+        if isinstance(ins, Run):
+            runs[ins.program] = runs.get(ins.program, 0) + 1
+    return list(runs.items())

@@ -32,6 +32,8 @@ class LocalRuntime:
         self.layouts = dict(layouts)
         self.add = add
         self.place = place  # how a Put lays a buffer out (the Ray worker's also spans hosts)
+        # Each program's argument shapes and layouts at its first run (for ``hlo_text``).
+        self.signatures: dict[str, tuple[Any, ...]] = {}
 
     def execute(
         self,
@@ -57,7 +59,10 @@ class LocalRuntime:
     def execute_one(self, ins: Instruction, buffers: dict[str, Any]) -> None:
         """Interpret one instruction against ``buffers``."""
         if isinstance(ins, Run):
-            outs = self.programs[ins.program](*(buffers[n] for n in ins.inputs))
+            args = [buffers[n] for n in ins.inputs]
+            if ins.program not in self.signatures:
+                self.signatures[ins.program] = tuple(jax.tree.map(_spec, args))
+            outs = self.programs[ins.program](*args)
             if len(ins.outputs) != len(outs):
                 raise RuntimeError(
                     f"program {ins.program} returned {len(outs)} values for "
@@ -75,6 +80,17 @@ class LocalRuntime:
         else:  # pragma: no cover - the union above is closed
             raise TypeError(f"unknown instruction {ins!r}")
 
+    def hlo_text(self, program: str) -> str:
+        """The compiled HLO of ``program`` for the arguments it ran with (after a step)."""
+        if program not in self.programs:
+            raise ValueError(f"program: no program {program!r}; valid: {sorted(self.programs)}")
+        if program not in self.signatures:
+            raise ValueError(
+                f"program: {program!r} has not run yet; run one step before inspecting it"
+            )
+        jitted = self.programs[program]
+        return jitted.lower(*self.signatures[program]).compile().as_text()
+
     @staticmethod
     def written(ins: Instruction) -> tuple[str, ...]:
         """The buffers ``ins`` writes."""
@@ -83,6 +99,16 @@ class LocalRuntime:
         if isinstance(ins, Put | Accumulate | Gather):
             return (ins.dst,)
         return ()
+
+
+def _spec(x: Any) -> Any:
+    """An array's shape, dtype and layout (other leaves as they are)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(x, "shape"):
+        return x
+    return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False)
+    )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .instructions import Gather, Recv, Send
+from .instructions import Gather, Recv, Send, program_runs
 from .local import InstructionTiming, LocalRuntime
 
 __all__ = ["HostWorker", "Resident", "place"]
@@ -181,7 +181,9 @@ class HostWorker:
                 elif self._throttle:
                     in_flight.append(written)
                     if len(in_flight) > CPU_GROUP_IN_FLIGHT:
-                        jax.block_until_ready(in_flight.popleft())
+                        # A buffer donated since (an accumulator) is already consumed.
+                        done = [x for x in in_flight.popleft() if not _deleted(x)]
+                        jax.block_until_ready(done)
             if timed:
                 self._timings.append(InstructionTiming(index, ins, start, time.time(), self.host))
         outs = {name: buffers[name] for name in holds}
@@ -192,6 +194,14 @@ class HostWorker:
             self._resident[rkey] = value
             meta[name] = (rkey, tuple(value.shape), str(value.dtype))
         return meta
+
+    def program_runs(self, key: int) -> list[tuple[str, int]]:
+        """The programs this host's stream of executable ``key`` runs, and how often."""
+        return program_runs(self._executables[key][1])
+
+    def hlo_text(self, key: int, program: str) -> str:
+        """The compiled HLO of one program of executable ``key`` (after a step)."""
+        return self._executables[key][0].hlo_text(program)
 
     def last_timings(self) -> list[InstructionTiming]:
         """The instruction intervals of this worker's last ``run_step(..., timed=True)``."""
@@ -233,6 +243,11 @@ class HostWorker:
                     )
                 self._arrived.wait(left)
             return self._mailbox.pop((step, ins.tag))
+
+
+def _deleted(x: Any) -> bool:
+    is_deleted = getattr(x, "is_deleted", None)
+    return bool(is_deleted()) if is_deleted is not None else False
 
 
 def place(value: Any, sharding: Any) -> Any:

@@ -60,6 +60,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_parallel_numerics.py",  # ~210 s
     "tests/e2e/test_notebooks.py",  # ~155 s
     "tests/pipeline/test_stage_definition.py",  # ~60 s
+    "tests/pipeline/test_grad_sync.py",  # ~50 s
     "tests/e2e/test_cli.py",  # ~55 s
     "tests/runtime/test_ray_setup.py",  # ~50 s
 )

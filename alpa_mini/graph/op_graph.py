@@ -46,7 +46,9 @@ class Tensor:
 class OpNode:
     """One operation. ``inputs`` holds a tensor id per operand (None for a literal).
 
-    ``multiplier`` scales its costs (a scan body runs ``length`` times); ``input_weights``
+    ``multiplier`` scales its costs (a scan body runs ``length`` times); ``comm_scale`` scales
+    only its own collectives (a parameter gradient's reduction, paid once per step for B
+    micro-batches, costs 1/B per micro-batch); ``input_weights``
     scales the resharding cost of each operand separately (a scan carry's loop-back edge);
     ``eqn`` is the jaxpr equation, or None for boundary nodes made by the tracer, whose
     ``kind`` then says what they do.
@@ -59,6 +61,7 @@ class OpNode:
     flops: float
     bytes_accessed: float
     multiplier: float = 1.0
+    comm_scale: float = 1.0
     input_weights: tuple[float, ...] | None = None
     eqn: Any = None
     params: dict[str, Any] = field(default_factory=dict)

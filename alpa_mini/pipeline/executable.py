@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from jax.extend.core import ClosedJaxpr
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
 from ..graph.jaxpr_walk import flatten_calls
+from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import PipeshardParallel
-from ..runtime.instructions import format_stream
+from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
@@ -65,6 +67,7 @@ class PipeshardExecutable:
 
     def _run(self, args: tuple[Any, ...], timeline: list[InstructionTiming] | None) -> Any:
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        self._check_donated(flat)
         buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
         buffers = self.runtime.execute(self.compiled.stream, buffers, timeline)
         outs = [
@@ -72,6 +75,28 @@ class PipeshardExecutable:
             for o, n in enumerate(self.compiled.out_names)
         ]
         return jax.tree.unflatten(self.out_tree, outs)
+
+    def _check_donated(self, flat: list[Any]) -> None:
+        """Warn (once) when a donated argument is not in the layout it is consumed in: it is
+        copied into that layout and the copy donated, so the caller's array survives."""
+        if self.extra.get("warned_donation"):
+            return
+        moved = []
+        for name, key in self.compiled.donation.items():
+            leaf = flat[self.compiled.arg_names.index(name)]
+            sharding = getattr(leaf, "sharding", None)
+            want = self.compiled.layouts[key]
+            if sharding is None or not sharding.is_equivalent_to(want, leaf.ndim):
+                moved.append(int(name[3:]))
+        if moved:
+            self.extra["warned_donation"] = True
+            warnings.warn(
+                f"{self.fun_name}: donated argument leaves {moved[:8]}"
+                f"{' ...' if len(moved) > 8 else ''} are not in their planned layouts; each is "
+                "copied into its layout once and the copy donated (pass the previous step's "
+                "outputs to donate without a copy)",
+                stacklevel=3,
+            )
 
     def trace(self, path: str | Path, *args: Any, png: bool = True) -> list[InstructionTiming]:
         """One profiled step (``profile``) written as a Chrome trace to ``path`` from the
@@ -92,6 +117,16 @@ class PipeshardExecutable:
     def instructions(self, limit: int | None = 60) -> str:
         """The step's instruction stream, one line each."""
         return format_stream(self.compiled.stream, limit)
+
+    def get_hlo_text(self, program: str) -> str:
+        """The compiled HLO of one program (``fwd0``, ``bwd1``, ``sync0``, ``apply1``, ...;
+        ``collectives()`` lists them) for the arguments it ran with: run a step first."""
+        return self.runtime.hlo_text(program)
+
+    def collectives(self) -> StepCollectives:
+        """Per program (stage, role, runs per step), the collectives of its compiled HLO;
+        ``.per_step()`` totals one step. Run a step first."""
+        return step_collectives(program_runs(self.compiled.stream), self.runtime.hlo_text)
 
 
 @dataclass(frozen=True)
@@ -182,8 +217,10 @@ def compile_pipeshard(
     static: tuple[tuple[int, Any], ...],
     method: PipeshardParallel,
     cluster: ClusterSpec,
+    donated: Sequence[int] = (),
 ) -> PipeshardExecutable:
-    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``method.plan``), lower."""
+    """Trace with ``alpa_mini.grad`` captured, plan (or replay ``method.plan``), lower;
+    ``donated``: argument leaves the step may consume."""
     t0 = time.perf_counter()
     prepared = prepare_step(step_fun, avals, roles, method, cluster)
     plan = prepared.plan
@@ -191,7 +228,7 @@ def compile_pipeshard(
     lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
     schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batches)
     compiled = compile_pipeline(
-        prepared.step, prepared.capture, prepared.forward, lowering, schedule
+        prepared.step, prepared.capture, prepared.forward, lowering, schedule, donated
     )
     runtime = LocalRuntime(compiled.programs, compiled.layouts, add_buffers)
     return PipeshardExecutable(

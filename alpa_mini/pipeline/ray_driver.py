@@ -31,6 +31,7 @@ import numpy as np
 
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
+from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
 from ..runtime.instructions import Free, Gather, Instruction, Put, Recv, Run, Send
 from ..runtime.local import InstructionTiming, LocalRuntime
@@ -174,6 +175,7 @@ class WorkerBuilder:
     plan_json: str
     stage_host: tuple[tuple[int, ...], ...]
     devices_per_host: int
+    donated: tuple[int, ...] = ()  # argument leaves the step may consume
 
     def __call__(
         self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
@@ -195,7 +197,8 @@ class WorkerBuilder:
             else:  # never run here; any devices of the right count keep the lowering uniform
                 placed.append(tuple(devices[: len(st.devices)]))
         schedule = make_schedule(plan.schedule, plan.num_stages, B)
-        compiled = compile_pipeline(step, capture, forward, stage_lowerings(plan, placed), schedule)
+        lowering = stage_lowerings(plan, placed)
+        compiled = compile_pipeline(step, capture, forward, lowering, schedule, self.donated)
         split = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
         holds = sorted(
             n for n in compiled.out_names if n is not None and host in split.where.get(n, ())
@@ -282,6 +285,38 @@ class RayPipeshardExecutable:
         how = "back to back on each host, hosts side by side"
         write_measured_trace(path, shown, self.plan, self.fun_name, how=how, png=png)
         return timings
+
+    def get_hlo_text(self, program: str) -> str:
+        """The compiled HLO of one program, from a worker that runs it (after a step)."""
+        import ray
+
+        table = self._programs()
+        if program not in table:
+            raise ValueError(f"program: no program {program!r}; valid: {sorted(table)}")
+        host = table[program][0]
+        ref = self.session.workers[host].hlo_text.remote(self.keys[host], program)
+        return ray.get(ref, timeout=STEP_TIMEOUT)
+
+    def collectives(self) -> StepCollectives:
+        """Per program (stage, role, runs per step), the collectives of its compiled HLO as
+        a worker that runs it compiled it; ``.per_step()`` totals one step."""
+        runs = [(program, n) for program, (_, n) in self._programs().items()]
+        return step_collectives(runs, self.get_hlo_text)
+
+    def _programs(self) -> dict[str, tuple[int, int]]:
+        """Each program: the first host whose stream runs it, and its runs per step there
+        (a mesh over several hosts runs it as often on each)."""
+        import ray
+
+        if "programs" not in self.__dict__:
+            workers = self.session.workers
+            refs = [w.program_runs.remote(k) for w, k in zip(workers, self.keys, strict=True)]
+            found: dict[str, tuple[int, int]] = {}
+            for host, runs in enumerate(ray.get(refs, timeout=STEP_TIMEOUT)):
+                for program, n in runs:
+                    found.setdefault(program, (host, n))
+            self.__dict__["programs"] = found
+        return self.__dict__["programs"]
 
     def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
         import ray
@@ -429,8 +464,10 @@ def compile_pipeshard_ray(
     method: PipeshardParallel,
     cluster: ClusterSpec,
     session: RaySession,
+    donated: Sequence[int] = (),
 ) -> RayPipeshardExecutable:
-    """Plan on the driver (or replay ``method.plan``), then build on every host worker."""
+    """Plan on the driver (or replay ``method.plan``), then build on every host worker;
+    ``donated``: argument leaves the step may consume (a worker's resident copy)."""
     import ray
 
     t0 = time.perf_counter()
@@ -447,7 +484,12 @@ def compile_pipeshard_ray(
     plan = prepared.plan
     hosts = stage_hosts(plan, cluster.devices_per_host, session.span_hosts)
     builder = WorkerBuilder(
-        step_fun, tuple(avals), plan.to_json(), tuple(hosts), cluster.devices_per_host
+        step_fun,
+        tuple(avals),
+        plan.to_json(),
+        tuple(hosts),
+        cluster.devices_per_host,
+        tuple(donated),
     )
     built = ray.get([w.build.remote(builder) for w in session.workers])
     meta = built[0]["meta"]

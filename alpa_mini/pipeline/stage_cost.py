@@ -22,6 +22,7 @@ from ..cluster.spec import ClusterSpec
 from ..errors import MemoryBudgetError
 from ..graph.grad_capture import GradCapture
 from ..graph.jaxpr_walk import eval_eqns
+from ..graph.op_graph import OpGraph
 from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
     PipeshardParallel,
@@ -250,6 +251,9 @@ class _StageModel:
         roles += ["batch"] * len(diff_out)
         names = [f"in{k}" for k in range(len(roles))]
         graph = trace_jaxpr(closed, roles, names)
+        first_grad = len(diff_out) + len(nondiff_out)
+        grads = [first_grad + k for k, r in enumerate(roles[:nd_n]) if r == "param"]
+        graph = amortize_gradient_reductions(graph, grads, 1.0 / self.method.num_micro_batches)
         param_bytes = sum(
             _nbytes(v.aval)
             for v in diff_in
@@ -395,8 +399,12 @@ class _StageModel:
             v: plan.tensors[plan.inputs[k]].spec for k, v in enumerate((*diff_in, *nondiff_in))
         }
         out_spec_of = {v: plan.output_specs[k] for k, v in enumerate((*diff_out, *nondiff_out))}
+        # Paid once per step, after the last micro-batch: 1/B of it per micro-batch.
         sync = (
-            0.0 if job.tie else _gradient_sync(plan, job.cost, diff_in, job.params, job.first_grad)
+            0.0
+            if job.tie
+            else _gradient_sync(plan, job.cost, diff_in, job.params, job.first_grad)
+            / self.method.num_micro_batches
         )
         launches = (
             job.cost.program_overhead(_kernels(job.graph), 0) if self.cluster.profile else 0.0
@@ -457,6 +465,38 @@ _FUSED = ELEMENTWISE | {
 def _kernels(graph) -> float:
     """Kernels a stage program runs, roughly: its operations that XLA does not fuse away."""
     return sum(n.multiplier for n in graph.nodes if n.kind == "op" and n.primitive not in _FUSED)
+
+
+#: Operations a gradient passes through on its way out: layout, dtype, sums of contributions.
+_GRADIENT_PASS = frozenset(
+    {"add_any", "add", "transpose", "reshape", "convert_element_type", "copy", "squeeze"}
+)
+
+
+def amortize_gradient_reductions(graph: OpGraph, grad_outputs: list[int], scale: float) -> OpGraph:
+    """``graph`` with the operations that produce the given gradient outputs (and the sums and
+    layout changes on the way) charged ``scale`` of their collectives: the runtime adds each
+    data-parallel group's partial gradient over the micro-batches and reduces once per step
+    (``lower/partials.py``), so a reduction priced per micro-batch costs 1/B of itself."""
+    if scale == 1.0:
+        return graph
+    producer = {t: n for n in graph.nodes for t in n.outputs}
+    marked: set[int] = set()
+    stack = [graph.outputs[k] for k in grad_outputs]
+    seen: set[int] = set()
+    while stack:
+        t = stack.pop()
+        node = producer.get(t)
+        if t in seen or node is None:
+            continue
+        seen.add(t)
+        marked.add(node.id)
+        if node.primitive in _GRADIENT_PASS:
+            stack.extend(i for i in node.inputs if i is not None)
+    nodes = tuple(
+        dataclasses.replace(n, comm_scale=scale) if n.id in marked else n for n in graph.nodes
+    )
+    return dataclasses.replace(graph, nodes=nodes)
 
 
 def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:

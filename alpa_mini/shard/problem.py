@@ -347,7 +347,9 @@ def read_plan(
     chosen = [inst.strategies[v][c] for v, c in enumerate(sol.choice)]
     alternatives = _alternatives(inst, sol, memory_budget, axis_names)
     op_collectives = [
-        PlannedCollective(c.kind, c.axes, c.nbytes, c.seconds * node.multiplier, "op", node.id)
+        PlannedCollective(
+            c.kind, c.axes, c.nbytes, c.seconds * node.multiplier * node.comm_scale, "op", node.id
+        )
         for node in graph.nodes
         for c in chosen[inst.num_inputs + node.id].collectives
     ]

@@ -572,7 +572,7 @@ def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strat
                     Collective("all-reduce", g, partial, cost.all_reduce(partial, g))
                     for g in lay.groups
                 )
-        comm = sum(c.seconds for c in colls) * node.multiplier
+        comm = sum(c.seconds for c in colls) * node.multiplier * node.comm_scale
         memory = sum(
             t.nbytes / s.num_shards(mesh_shape)
             for s, t in zip(lay.out_specs, out_tensors, strict=True)

@@ -60,15 +60,23 @@ def test_priced_cotangents_are_the_compiled_backwards(devices8, model: str, stag
     seen: dict[int, tuple] = {}
     for s in range(ex.plan.num_stages):
         program = ex.runtime.programs[f"bwd{s}"]
+        accs = ex.compiled.accumulators[s]
 
-        def recorded(res: Any, *cts: Any, s: int = s, program: Any = program) -> Any:
-            grads = program(res, *cts)
-            seen[s] = (_avals(cts), _avals(grads))
-            return grads
+        def recorded(res: Any, *rest: Any, s: int = s, program: Any = program, accs=accs) -> Any:
+            cts = rest[: len(rest) - len(accs)]
+            outs = program(res, *rest)
+            acts = outs[: len(outs) - len(accs)]
+            # A partial accumulator holds one gradient per data-parallel group.
+            grads = [
+                (tuple(np.shape(a))[1:] if partial else tuple(np.shape(a)), str(a.dtype))
+                for a, (_, partial) in zip(outs[len(acts) :], accs, strict=True)
+            ]
+            seen[s] = (_avals(cts), sorted(_avals(acts) + grads))
+            return outs
 
         ex.runtime.programs[f"bwd{s}"] = recorded
     ex(*args)
-    priced = _priced(method, step, args)
+    priced = [(cts, sorted(grads)) for cts, grads in _priced(method, step, args)]
     assert len(priced) == ex.plan.num_stages >= 1
     assert [seen[s] for s in range(ex.plan.num_stages)] == priced
     if ex.plan.num_stages > 1:  # an inner boundary carries cotangents both sides agree on
@@ -103,10 +111,11 @@ def test_an_aux_output_read_by_a_later_stage_carries_a_cotangent(devices8) -> No
     assert ((), "float32") in priced[0][0]  # scale's cotangent, priced for stage 0's backward
     seen = {}
     program = ex.runtime.programs["bwd0"]
+    num_accs = len(ex.compiled.accumulators[0])
 
-    def recorded(res: Any, *cts: Any) -> Any:
-        seen["cts"] = _avals(cts)
-        return program(res, *cts)
+    def recorded(res: Any, *rest: Any) -> Any:
+        seen["cts"] = _avals(rest[: len(rest) - num_accs])  # then the gradient accumulators
+        return program(res, *rest)
 
     ex.runtime.programs["bwd0"] = recorded
     ex(*args)

@@ -19,7 +19,68 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ...graph.jaxpr_walk import eval_eqns
 from ...runtime.instructions import Instruction, Put, Run
 
-__all__ = ["apply_updates"]
+__all__ = ["apply_updates", "donate_inputs"]
+
+
+class _Unjitted:
+    """An apply program before ``donate_inputs`` jits it."""
+
+    def __init__(self, fn: Callable[..., Any], out_shardings: tuple[Any, ...]) -> None:
+        self.fn, self.out_shardings = fn, out_shardings
+
+
+def donate_inputs(
+    programs: dict[str, Any],
+    stream: list[Instruction],
+    donated_args: set[str],
+    out_names: list[str | None],
+) -> dict[str, str]:
+    """Jit each apply program, donating the inputs that hold a donated step argument
+    (``donated_args``: buffer names such as ``arg3``) where no later instruction and no
+    step output reads that argument under any name (``Put`` copies and places it under new
+    names, which may be the same array). Returns, per donated argument, the layout key it is
+    donated in: an argument in another layout is copied there first, and the copy donated."""
+    root: dict[str, str] = {}
+    layout_of: dict[str, str] = {}
+    for ins in stream:
+        if isinstance(ins, Put):
+            root[ins.dst] = root.get(ins.src, ins.src)
+            layout_of[ins.dst] = ins.layout
+    kept = {root.get(n, n) for n in out_names if n is not None}
+    where: dict[str, str] = {}
+    last_read: dict[str, int] = {}
+    for i, ins in enumerate(stream):
+        for n in _reads(ins):
+            last_read[root.get(n, n)] = i
+    for i, ins in enumerate(stream):
+        if not isinstance(ins, Run) or not isinstance(programs.get(ins.program), _Unjitted):
+            continue
+        donate = tuple(
+            k
+            for k, n in enumerate(ins.inputs)
+            if (r := root.get(n, n)) in donated_args
+            and r not in kept
+            and last_read[r] == i
+            and ins.inputs.count(n) == 1
+        )
+        un = programs[ins.program]
+        programs[ins.program] = jax.jit(
+            un.fn, out_shardings=un.out_shardings, donate_argnums=donate
+        )
+        for k in donate:
+            n = ins.inputs[k]
+            if n in layout_of:
+                where[root[n]] = layout_of[n]
+    return where
+
+
+def _reads(ins: Instruction) -> tuple[str, ...]:
+    if isinstance(ins, Run):
+        return ins.inputs
+    if isinstance(ins, Put):
+        return (ins.src,)
+    src = getattr(ins, "src", None)
+    return (src,) if src is not None else ()
 
 
 def apply_updates(
@@ -70,7 +131,8 @@ def apply_updates(
             k = _alias_param(step, o, param_home)
             out_sh.append(param_home[k][1] if k is not None and param_home[k][0] == s else None)
         program = _apply_program(sub, inputs, [v for _, v in outs], consts)
-        programs[f"apply{s}"] = jax.jit(program, out_shardings=tuple(out_sh))
+        # Jitted by ``donate_inputs`` once the stream is complete (which inputs die here).
+        programs[f"apply{s}"] = _Unjitted(program, tuple(out_sh))
         stream.append(Run(f"apply{s}", tuple(names_in), tuple(f"out{o}" for o, _ in outs), s))
     return out_names, out_literals
 

@@ -34,7 +34,8 @@ from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from ...shard.spec import ShardingSpec
 from ..schedules import Schedule
 from ..stage_slice import StageSlice, slice_stage
-from .apply_grad import apply_updates
+from .apply_grad import apply_updates, donate_inputs
+from .partials import GroupSplit, PartialsPlan, eval_with_partials, partial_sharding, plan_partials
 
 __all__ = ["CompiledPipeline", "StageLowering", "compile_pipeline", "grad_equation"]
 
@@ -100,6 +101,11 @@ class CompiledPipeline:
     out_literals: dict[int, Any]
     meshes: list[Mesh]
     stage_param_leaves: list[list[int]]
+    # Per stage, its gradient accumulators in ``bwd{s}``'s order: (loss leaf, whether it
+    # holds per-group partial sums with a leading groups axis).
+    accumulators: list[tuple[tuple[int, bool], ...]] = field(default_factory=list)
+    # Donated step arguments (``arg{k}``) and the layout key each is consumed in.
+    donation: dict[str, str] = field(default_factory=dict)
 
 
 def _default_spec(aval: Any, mesh: Mesh, batch_like: bool) -> PartitionSpec:
@@ -115,9 +121,11 @@ def compile_pipeline(
     forward: ClosedJaxpr,
     stages: Sequence[StageLowering],
     schedule: Schedule,
+    donated: Sequence[int] = (),
 ) -> CompiledPipeline:
     """Build programs and the instruction stream of one pipelined step.
 
+    ``donated``: step argument leaves the apply programs may consume (``donate_argnums``).
     Long because it is one walk: stages and their layouts, the per-stage programs, then the
     schedule's ticks emitted in order, sharing buffer-naming and freeing state that the
     instruction stream's correctness depends on (every buffer freed exactly once after its
@@ -201,8 +209,15 @@ def compile_pipeline(
 
     # ------------------------------------------------------------------ programs
     programs: dict[str, Callable[..., Any]] = {}
-    for st in sts:
-        programs[f"fwd{st.index}"], programs[f"bwd{st.index}"] = _stage_programs(st, consts)
+    rows = _micro_batch_rows(fj, capture)
+    grads = [_stage_grads(st, loss_in, capture, rows) for st in sts]
+    for st, gr in zip(sts, grads, strict=True):
+        s = st.index
+        programs[f"fwd{s}"], programs[f"bwd{s}"] = _stage_programs(st, consts, gr, loss_in)
+        if gr.accs:
+            programs[f"zeros{s}"] = _acc_zeros(gr)
+        if gr.needs_sync:
+            programs[f"sync{s}"] = _sync_program(st, gr)
     vid: dict[Any, int] = {}
 
     def name(v: Any) -> str:
@@ -259,6 +274,12 @@ def compile_pipeline(
         started.add(dst)
         return Accumulate(src, dst, mesh, first)
 
+    first_bwd: dict[int, int] = {}
+    last_bwd: dict[int, int] = {}
+    for task in schedule.order():
+        if task.kind != "fwd":
+            first_bwd.setdefault(task.stage, task.micro_batch)
+            last_bwd[task.stage] = task.micro_batch
     pending_free: dict[tuple[Any, int], int] = {}
     for task in schedule.order():
         st = sts[task.stage]
@@ -280,66 +301,41 @@ def compile_pipeline(
             for v in [value_var, *aux_vars]:
                 if not isinstance(v, Literal) and producer[v] == s:
                     stream.append(accumulate(f"{name(v)}.mb{m}@{s}", f"{name(v)}.sum", s))
-        else:
-            cts = []
-            for v in st.diff_out:
-                ct = f"ct{name(v)}.mb{m}@{s}"
-                if v is value_var:
-                    if s not in seed_made:
-                        programs[f"seed{s}"] = _seed(v.aval, 1.0 / B, st.out_sharding[v])
-                        stream.append(Run(f"seed{s}", (), (f"seed@{s}",), s))
-                        seed_made.add(s)
-                    stream.append(accumulate(f"seed@{s}", ct, s))
-                cts.append(ct)
-            stream.append(
-                Run(
-                    f"bwd{s}",
-                    (f"res{s}.mb{m}", *cts),
-                    tuple(f"d{k}.{s}.mb{m}" for k in range(len(st.diff_in))),
-                    s,
-                )
-            )
-            dead = [f"res{s}.mb{m}", *cts]
-            dead += [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v not in loss_in]
-            dead += [
-                f"{name(v)}.mb{m}@{s}"
-                for v in st.diff_out + st.nondiff_out
-                if v not in (value_var, *aux_vars) and s == producer[v] and not consumers.get(v)
-            ]
-            # Gradients this stage owns are summed by one fused program per micro-batch (one
-            # dispatch instead of one per parameter); the first micro-batch only renames.
-            fused: list[tuple[str, str]] = []
-            for k, v in enumerate(st.diff_in):
-                d = f"d{k}.{s}.mb{m}"
-                if v in loss_in and owner[loss_in[v]] == s and f"grad{loss_in[v]}" in started:
-                    fused.append((f"grad{loss_in[v]}", d))
-                    dead.append(d)
-                    continue
-                if v in loss_in:
-                    j = loss_in[v]
-                    o = owner[j]
-                    dst = f"grad{j}"
-                    if o != s:
-                        moved = f"{d}@{o}"
-                        lay = sts[o].in_sharding[_var_of(sts[o], loss_in, j)]
-                        stream.append(Put(d, moved, o, layout_key(lay, o)))
-                        dead.append(d)
-                        d = moved
-                    stream.append(accumulate(d, dst, o))
-                    dead.append(d)
-                else:
-                    p = producer[v]
-                    ct = f"ct{name(v)}.mb{m}@{p}"
-                    moved = f"{d}@{p}"
-                    stream.append(Put(d, moved, p, layout_key(sts[p].out_sharding[v], p)))
-                    stream.append(accumulate(moved, ct, p))
-                    dead += [d, moved]
-            if fused:
-                acc = f"accumulate{s}.{len(fused)}"
-                programs.setdefault(acc, _add_pairs(len(fused)))
-                sums = tuple(a for a, _ in fused)
-                stream.append(Run(acc, (*sums, *(b for _, b in fused)), sums, s))
-            stream.append(Free(tuple(dict.fromkeys(dead)), s))
+            continue
+        gr = grads[s]
+        accs = tuple(f"acc{s}.{i}" for i in range(len(gr.accs)))
+        if m == first_bwd[s] and accs:
+            stream.append(Run(f"zeros{s}", (), accs, s))
+        cts = []
+        for v in st.diff_out:
+            ct = f"ct{name(v)}.mb{m}@{s}"
+            if v is value_var:
+                if s not in seed_made:
+                    programs[f"seed{s}"] = _seed(v.aval, 1.0 / B, st.out_sharding[v])
+                    stream.append(Run(f"seed{s}", (), (f"seed@{s}",), s))
+                    seed_made.add(s)
+                stream.append(accumulate(f"seed@{s}", ct, s))
+            cts.append(ct)
+        acts = [v for v in st.diff_in if v not in loss_in]
+        act_out = tuple(f"d{name(v)}.{s}.mb{m}" for v in acts)
+        stream.append(Run(f"bwd{s}", (f"res{s}.mb{m}", *cts, *accs), (*act_out, *accs), s))
+        dead = [f"res{s}.mb{m}", *cts]
+        dead += [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v not in loss_in]
+        dead += [
+            f"{name(v)}.mb{m}@{s}"
+            for v in st.diff_out + st.nondiff_out
+            if v not in (value_var, *aux_vars) and s == producer[v] and not consumers.get(v)
+        ]
+        # Cotangents of activations go back to the stage that made them.
+        for v, d in zip(acts, act_out, strict=True):
+            p = producer[v]
+            moved = f"{d}@{p}"
+            stream.append(Put(d, moved, p, layout_key(sts[p].out_sharding[v], p)))
+            stream.append(accumulate(moved, f"ct{name(v)}.mb{m}@{p}", p))
+            dead += [d, moved]
+        stream.append(Free(tuple(dict.fromkeys(dead)), s))
+        if m == last_bwd[s]:
+            _sync_stage(st, gr, accs, loss_in, owner, sts, stream, accumulate, layout_key)
 
     # ------------------------------------------------------------------ gradient outputs
     # Buffers standing for the captured equation's outputs: value, aux..., grads of diff leaves.
@@ -369,6 +365,7 @@ def compile_pipeline(
     out_names, out_literals = apply_updates(
         step, g, gout, param_home, sts, arg_names, programs, stream, layout_key
     )
+    donation = donate_inputs(programs, stream, {arg_names[k] for k in donated}, out_names)
     stage_params = [sorted({arg_of[loss_in[v]] for v in st.diff_in if v in loss_in}) for st in sts]
     return CompiledPipeline(
         programs,
@@ -379,6 +376,8 @@ def compile_pipeline(
         out_literals,
         [st.mesh for st in sts],
         stage_params,
+        [tuple((loss_in[p], partial) for p, partial in gr.accs) for gr in grads],
+        donation,
     )
 
 
@@ -390,47 +389,240 @@ def _var_of(st: _Stage, loss_in: dict[Any, int], j: int) -> Any:
 
 
 def _stage_programs(
-    st: _Stage, consts: dict[Any, Any]
+    st: _Stage, consts: dict[Any, Any], gr: _StageGrads, loss_in: dict[Any, int]
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``fwd{s}`` (outputs and the vjp closure) and ``bwd{s}`` (activation cotangents, and
+    the stage's gradient accumulators with this micro-batch added, updated in place)."""
     diff_in, nondiff_in = list(st.diff_in), list(st.nondiff_in)
     diff_out, nondiff_out = list(st.diff_out), list(st.nondiff_out)
     eqns = st.sl.eqns
     used_consts = {v: c for v, c in consts.items() if v in set(st.sl.invars)}
+    partial_params = [p for p, partial in gr.accs if partial]
+    partial_sh = {p: sh for (p, partial), sh in zip(gr.accs, gr.shardings, strict=True) if partial}
     # Runs of equations between the pinned ones, so that the common case stays one call.
     cuts = sorted(st.pinned)
 
-    def f_env(env: dict[Any, Any]) -> None:
+    def run(lo: int, hi: int, env: dict[Any, Any], partials: dict[Any, Any]) -> None:
+        if gr.plan is None or gr.split is None:
+            eval_eqns(eqns[lo:hi], env)
+        else:
+            constrain = lambda p, d: jax.lax.with_sharding_constraint(d, partial_sh[p])  # noqa: E731
+            eval_with_partials(eqns[lo:hi], env, gr.plan, partials, gr.split, constrain, lo)
+
+    def f_env(env: dict[Any, Any], partials: dict[Any, Any]) -> None:
         done = 0
         for e in cuts:
-            eval_eqns(eqns[done : e + 1], env)
+            run(done, e + 1, env, partials)
             for o, sharding in st.pinned[e]:
                 v = eqns[e].outvars[o]
                 env[v] = jax.lax.with_sharding_constraint(env[v], sharding)
             done = e + 1
-        eval_eqns(eqns[done:], env)
+        run(done, len(eqns), env, partials)
 
     def fwd(*args: Any) -> tuple[Any, ...]:
         d, nd = args[: len(diff_in)], args[len(diff_in) :]
+        zs = [
+            jax.lax.with_sharding_constraint(
+                jnp.zeros((gr.split.groups, *p.aval.shape), p.aval.dtype), partial_sh[p]
+            )
+            for p in partial_params
+            if gr.split is not None
+        ]
 
-        def f(*dvals: Any) -> tuple[list[Any], list[Any]]:
+        def f(dvals: list[Any], zvals: list[Any]) -> tuple[list[Any], list[Any]]:
             env: dict[Any, Any] = dict(used_consts)
             env.update(zip(diff_in, dvals, strict=True))
             env.update(zip(nondiff_in, nd, strict=True))
-            f_env(env)
+            f_env(env, dict(zip(partial_params, zvals, strict=True)))
             return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
 
-        outs_d, vjp_fn, outs_nd = jax.vjp(f, *d, has_aux=True)
+        outs_d, vjp_fn, outs_nd = jax.vjp(f, list(d), zs, has_aux=True)
         return (*outs_d, *outs_nd, vjp_fn)
 
-    def bwd(vjp_fn: Any, *cts: Any) -> tuple[Any, ...]:
-        return tuple(vjp_fn(list(cts)))
+    acts = [v for v in diff_in if v not in loss_in]
+    n_ct, n_acc = len(diff_out), len(gr.accs)
+
+    def bwd(vjp_fn: Any, *rest: Any) -> tuple[Any, ...]:
+        cts, accs = rest[:n_ct], rest[n_ct:]
+        d_list, z_list = vjp_fn(list(cts))
+        plain = dict(zip(diff_in, d_list, strict=True))
+        partial = dict(zip(partial_params, z_list, strict=True))
+        new = [
+            acc + (partial[p] if is_partial else plain[p])
+            for acc, (p, is_partial) in zip(accs, gr.accs, strict=True)
+        ]
+        return (*(plain[v] for v in acts), *new)
 
     in_sh = tuple(st.in_sharding[v] for v in diff_in + nondiff_in)
     out_sh = (*(st.out_sharding[v] for v in diff_out + nondiff_out), None)
-    grads_sh = tuple(st.in_sharding[v] for v in diff_in)
+    bwd_sh = (*(st.in_sharding[v] for v in acts), *gr.shardings)
     fwd_j = jax.jit(fwd, in_shardings=in_sh, out_shardings=out_sh)
-    bwd_j = jax.jit(bwd, out_shardings=grads_sh)
+    donate = tuple(range(1 + n_ct, 1 + n_ct + n_acc))
+    bwd_j = jax.jit(bwd, out_shardings=bwd_sh, donate_argnums=donate)
     return fwd_j, bwd_j
+
+
+@dataclass(frozen=True)
+class _StageGrads:
+    """A stage's gradient accumulators: ``params`` (its differentiated loss inputs), one
+    accumulator per ``(param, partial)`` in ``accs`` laid out as ``shardings`` (a partial one
+    holds per-group sums, ``partials.py``), and how rows split into groups."""
+
+    params: tuple[Any, ...]
+    accs: tuple[tuple[Any, bool], ...]
+    shardings: tuple[NamedSharding, ...]
+    split: GroupSplit | None = None
+    plan: PartialsPlan | None = None
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether partial sums need the once-per-step reduction (``sync{s}``)."""
+        return any(partial for _, partial in self.accs)
+
+
+def _micro_batch_rows(forward: Jaxpr, capture: GradCapture) -> int | None:
+    """Rows of one micro-batch: the leading size of the loss's batch inputs."""
+    for j, v in enumerate(forward.invars):
+        if capture.batch[j] and v.aval.shape:
+            return int(v.aval.shape[0])
+    return None
+
+
+def _group_split(
+    st: _Stage, loss_in: dict[Any, int], capture: GradCapture, rows: int | None
+) -> GroupSplit | None:
+    """The stage's data-parallel groups: the mesh axes that split the rows of its batch
+    inputs (the step's batch first, then activations), if any."""
+    if rows is None:
+        return None
+    ins = st.diff_in + st.nondiff_in
+    batch = [v for v in ins if v in loss_in and capture.batch[loss_in[v]]]
+    for v in batch + [v for v in ins if v not in loss_in]:
+        shape = getattr(v.aval, "shape", ())
+        if not shape or shape[0] != rows:
+            continue
+        spec = st.in_sharding[v].spec
+        first = spec[0] if len(spec) else None
+        axes = first if isinstance(first, tuple) else (first,) if first is not None else ()
+        groups = math.prod(st.mesh.shape[a] for a in axes)
+        if groups > 1 and rows % groups == 0:
+            return GroupSplit(rows, groups, tuple(axes))
+    return None
+
+
+def _stage_grads(
+    st: _Stage, loss_in: dict[Any, int], capture: GradCapture, rows: int | None
+) -> _StageGrads:
+    params = tuple(v for v in st.diff_in if v in loss_in)
+    split = _group_split(st, loss_in, capture, rows) if params else None
+    plan = plan_partials(st.sl.eqns, params, st.sl.outvars, split) if split else None
+    grouped = plan.grouped if plan is not None else frozenset()
+    plain = (set(params) - grouped) | (set(plan.plain) if plan is not None else set())
+    accs = tuple(
+        [(p, False) for p in params if p in plain] + [(p, True) for p in params if p in grouped]
+    )
+    shardings = tuple(
+        partial_sharding(st.in_sharding[p], split) if partial and split else st.in_sharding[p]
+        for p, partial in accs
+    )
+    return _StageGrads(params, accs, shardings, split, plan)
+
+
+def _acc_shape(p: Any, partial: bool, gr: _StageGrads) -> tuple[int, ...]:
+    groups = gr.split.groups if partial and gr.split is not None else None
+    return (groups, *p.aval.shape) if groups else tuple(p.aval.shape)
+
+
+def _acc_zeros(gr: _StageGrads) -> Callable[..., Any]:
+    """``zeros{s}``: the stage's accumulators before its first backward."""
+    specs = [(_acc_shape(p, partial, gr), p.aval.dtype) for p, partial in gr.accs]
+    return jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
+        out_shardings=gr.shardings,
+    )
+
+
+def _sync_program(st: _Stage, gr: _StageGrads) -> Callable[..., Any]:
+    """``sync{s}``: the once-per-step reduction of the stage's partial sums into each
+    parameter's layout: an all-reduce, or a reduce-scatter where the layout shards the
+    parameter over the data-parallel axes (ZeRO-3)."""
+    split = gr.split
+    assert split is not None
+
+    def sync(*accs: Any) -> tuple[Any, ...]:
+        total: dict[Any, Any] = {}
+        for acc, (p, partial), sh in zip(accs, gr.accs, gr.shardings, strict=True):
+            g = _reduce_groups(acc, sh, st.in_sharding[p], split) if partial else acc
+            total[p] = g if p not in total else total[p] + g
+        return tuple(total[p] for p in gr.params)
+
+    return jax.jit(sync, out_shardings=tuple(st.in_sharding[p] for p in gr.params))
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
+def _reduce_groups(
+    acc: Any, partial: NamedSharding, target: NamedSharding, split: GroupSplit
+) -> Any:
+    """``acc.sum(0)`` laid out as ``target``, as one collective over the group axes: a
+    ``psum`` when ``target`` does not use them, a tiled ``psum_scatter`` when one dimension
+    of ``target`` adds them as its minor axes; otherwise left to the partitioner (which may
+    all-reduce and slice)."""
+    ndim = acc.ndim - 1
+    rest = [_axes_of(e) for e in tuple(partial.spec)[1:]] + [()] * (ndim - len(partial.spec) + 1)
+    want = [_axes_of(e) for e in tuple(target.spec)] + [()] * (ndim - len(target.spec))
+    grown = [k for k in range(ndim) if want[k] != rest[k]]
+    scatter: int | None = None
+    if len(grown) == 1 and want[grown[0]] == rest[grown[0]] + split.axes:
+        scatter = grown[0]
+    elif grown:
+        return jnp.sum(acc, axis=0)
+    names = split.axes if len(split.axes) > 1 else split.axes[0]
+
+    def local(x: Any) -> Any:
+        x = x[0]
+        if scatter is None:
+            return jax.lax.psum(x, names)
+        return jax.lax.psum_scatter(x, names, scatter_dimension=scatter, tiled=True)
+
+    return jax.shard_map(
+        local, mesh=partial.mesh, in_specs=partial.spec, out_specs=target.spec, check_vma=False
+    )(acc)
+
+
+def _sync_stage(
+    st: _Stage,
+    gr: _StageGrads,
+    accs: tuple[str, ...],
+    loss_in: dict[Any, int],
+    owner: dict[int, int],
+    sts: Sequence[_Stage],
+    stream: list[Instruction],
+    accumulate: Callable[[str, str, int], Accumulate],
+    layout_key: Callable[[NamedSharding, int], str],
+) -> None:
+    """After a stage's last backward: reduce its accumulators once and hand each gradient to
+    the stage that owns the parameter (``grad{j}``)."""
+    s = st.index
+    if gr.needs_sync:
+        outs = tuple(f"g{loss_in[p]}.{s}" for p in gr.params)
+        stream.append(Run(f"sync{s}", accs, outs, s))
+        stream.append(Free(accs, s))
+        names = dict(zip(gr.params, outs, strict=True))
+    else:
+        names = {p: acc for (p, _), acc in zip(gr.accs, accs, strict=True)}
+    for p in gr.params:
+        j, d = loss_in[p], names[p]
+        o = owner[j]
+        if o != s:
+            lay = sts[o].in_sharding[_var_of(sts[o], loss_in, j)]
+            stream.append(Put(d, f"{d}@{o}", o, layout_key(lay, o)))
+            stream.append(Free((d,), s))
+            d = f"{d}@{o}"
+        stream.append(accumulate(d, f"grad{j}", o))
+        stream.append(Free((d,), o))
 
 
 def _splitter(count: int, sharding: NamedSharding) -> Callable[..., Any]:
@@ -447,11 +639,6 @@ def _seed(aval: Any, value: float, sharding: NamedSharding) -> Callable[..., Any
 
 def _zeros(aval: Any, sharding: NamedSharding) -> Callable[..., Any]:
     return jax.jit(lambda: (jnp.zeros(aval.shape, aval.dtype),), out_shardings=(sharding,))
-
-
-def _add_pairs(n: int) -> Callable[..., Any]:
-    """``(a_1..a_n, b_1..b_n) -> (a_1 + b_1, ..., a_n + b_n)`` as one program."""
-    return jax.jit(lambda *xs: tuple(a + b for a, b in zip(xs[:n], xs[n:], strict=True)))
 
 
 def _scale(factor: float) -> Callable[..., Any]:

@@ -1,0 +1,324 @@
+"""Unreduced parameter gradients: each data-parallel group's contribution kept apart.
+
+A data-parallel stage's weight gradient is a sum over the micro-batch's rows. Left to the
+partitioner, every backward reduces it across the groups of devices that hold different rows
+(an all-reduce per micro-batch). Alpa and Megatron-LM instead add the per-group partial sums
+locally over micro-batches and reduce once per step. JAX expresses "unreduced" only in
+Explicit sharding mode, which arbitrary user code does not trace under, so this module keeps
+the global semantics and makes the partial sums an ordinary array instead:
+
+- every parameter ``p`` gets a zero-valued companion ``z`` of shape ``(D, *p.shape)``, its
+  leading axis laid out over the stage's data-parallel mesh axes (``D`` groups);
+- where an equation first mixes a value computed from ``p`` alone (``q = chain(p)``) with
+  row-indexed values, and the rows sit on a free axis of it (a matmul's non-contracted axis,
+  a broadcast's new axis, a convolution's or an embedding lookup's batch axis), the equation
+  is evaluated through a custom VJP: the forward is the equation itself, and the backward
+  gives ``p`` no cotangent and ``z`` the vmapped per-group cotangents (rows split into ``D``
+  contiguous blocks), so the partitioner computes each block where its rows live;
+- every other use of ``p`` differentiates ``p`` as before (reduced by the partitioner).
+
+The total gradient is ``dp + sum(dz, axis=0)``: exact, whichever axis is split, because each
+split equation is row-wise along it; the layout only decides whether the partials need no
+communication. ``plan_partials`` decides statically which parameters get which kind of use,
+``eval_with_partials`` evaluates a stage that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ...graph.jaxpr_walk import bind_equation, equation_context, eval_eqns
+from ..stage_slice import is_float
+
+__all__ = ["GroupSplit", "PartialsPlan", "eval_with_partials", "partial_sharding", "plan_partials"]
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """How a stage's rows split into data-parallel groups: ``rows`` per micro-batch, ``groups``
+    blocks, laid out over mesh ``axes`` (whose sizes multiply to ``groups``)."""
+
+    rows: int
+    groups: int
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Use:
+    """Equation ``eqn`` uses parameter ``param`` through operand ``operand`` (computed from
+    the parameter by ``chain``); ``in_axes``: the split axis of each operand (None: not
+    split, the parameter's own operand included); ``out_axis``: the output's split axis."""
+
+    param: Any
+    operand: int
+    chain: tuple[Any, ...]
+    in_axes: tuple[int | None, ...]
+    out_axis: int
+
+
+@dataclass(frozen=True)
+class PartialsPlan:
+    """Per equation index, the grouped use it is (if any); which parameters have grouped
+    uses and which still have ordinary (reduced-per-call) ones."""
+
+    uses: dict[int, _Use]
+    grouped: frozenset[Any]
+    plain: frozenset[Any]
+
+
+def plan_partials(
+    eqns: Sequence[Any], params: Sequence[Any], outputs: Sequence[Any], split: GroupSplit
+) -> PartialsPlan:
+    """Decide, from shapes alone, which equations of a stage (reading ``params``, defining
+    ``outputs``) become grouped uses of which parameter."""
+    param_set = set(params)
+    # var -> (parameter it is computed from alone, the equations that compute it)
+    chain: dict[Any, tuple[Any, tuple[Any, ...]]] = {p: (p, ()) for p in params}
+    uses: dict[int, _Use] = {}
+    plain: set[Any] = set()
+    for i, eqn in enumerate(eqns):
+        origins = {chain[v][0] for v in eqn.invars if not isinstance(v, Literal) and v in chain}
+        if not origins:
+            continue
+        if len(origins) == 1 and not eqn.primitive.multiple_results:
+            (p,) = origins
+            use = _grouped_use(eqn, p, chain, split)
+            if use is not None:
+                uses[i] = use
+                continue
+            if all(isinstance(v, Literal) or v in chain for v in eqn.invars):
+                pos = next(k for k, v in enumerate(eqn.invars) if v in chain)
+                steps = (*chain[eqn.invars[pos]][1], eqn)
+                for k, v in enumerate(eqn.invars):
+                    if k != pos and not isinstance(v, Literal):
+                        steps = (*chain[v][1], *steps)
+                chain[eqn.outvars[0]] = (p, _dedupe(steps))
+                continue
+        plain.update(origins)
+    # A value computed from a parameter alone that leaves the stage is an ordinary use too.
+    plain.update(chain[v][0] for v in outputs if not isinstance(v, Literal) and v in chain)
+    grouped = {u.param for u in uses.values()}
+    return PartialsPlan(uses, frozenset(grouped), frozenset(plain & param_set))
+
+
+def _dedupe(eqns: tuple[Any, ...]) -> tuple[Any, ...]:
+    seen: set[int] = set()
+    out = []
+    for e in eqns:
+        if id(e) not in seen:
+            seen.add(id(e))
+            out.append(e)
+    return tuple(out)
+
+
+def _grouped_use(eqn: Any, p: Any, chain: dict[Any, Any], split: GroupSplit) -> _Use | None:
+    """The grouped form of ``eqn`` if it mixes the parameter-derived operand with rows on a
+    free axis, else None."""
+    ins = eqn.invars
+    qpos = [k for k, v in enumerate(ins) if not isinstance(v, Literal) and v in chain]
+    if len(qpos) != 1 or not is_float(ins[qpos[0]].aval):
+        return None
+    q = qpos[0]
+    steps = chain[ins[q]][1]
+    name = eqn.primitive.name
+    found: tuple[tuple[int | None, ...], int] | None = None
+    if name == "broadcast_in_dim" and len(ins) == 1:
+        found = _broadcast_axes(eqn, split)
+    elif name == "dot_general" and len(ins) == 2:
+        found = _dot_axes(eqn, q, split)
+    elif name == "conv_general_dilated" and q == 1 and len(ins) == 2:
+        found = _conv_axes(eqn, split)
+    elif name == "gather" and q == 0 and len(ins) == 2:
+        found = _gather_axes(eqn, split)
+    elif name in _ELEMENTWISE:
+        found = _elementwise_axes(eqn, q, split)
+    if found is None:
+        return None
+    in_axes, out_axis = found
+    return _Use(p, q, steps, in_axes, out_axis)
+
+
+#: Binary elementwise primitives, which broadcast size-1 axes (a bias added to activations).
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem"})
+
+
+def _splittable(size: int, split: GroupSplit) -> bool:
+    return size % split.groups == 0 and size % split.rows == 0 and size >= split.rows
+
+
+def _broadcast_axes(eqn: Any, split: GroupSplit) -> tuple[tuple[int | None, ...], int] | None:
+    shape = eqn.params["shape"]
+    kept = dict(zip(eqn.params["broadcast_dimensions"], eqn.invars[0].aval.shape, strict=True))
+    for ax, size in enumerate(shape):
+        if (ax not in kept or (kept[ax] == 1 and size > 1)) and _splittable(size, split):
+            return (None,), ax
+    return None
+
+
+def _dot_axes(eqn: Any, q: int, split: GroupSplit) -> tuple[tuple[int | None, ...], int] | None:
+    (contract, batch) = eqn.params["dimension_numbers"]
+    y = 1 - q
+    shapes = [v.aval.shape for v in eqn.invars]
+    taken = [set(contract[k]) | set(batch[k]) for k in range(2)]
+    free = [[d for d in range(len(shapes[k])) if d not in taken[k]] for k in range(2)]
+    for n, d in enumerate(free[y]):
+        if _splittable(shapes[y][d], split):
+            out = len(batch[0]) + (n if y == 0 else len(free[0]) + n)
+            axes: list[int | None] = [None, None]
+            axes[y] = d
+            return tuple(axes), out
+    return None
+
+
+def _elementwise_axes(
+    eqn: Any, q: int, split: GroupSplit
+) -> tuple[tuple[int | None, ...], int] | None:
+    out = eqn.outvars[0].aval.shape
+    shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+    if any(len(s) != len(out) for s in shapes):
+        return None
+    for ax, size in enumerate(out):
+        if shapes[q][ax] == 1 and size > 1 and _splittable(size, split):
+            axes = tuple(None if k == q or s[ax] == 1 else ax for k, s in enumerate(shapes))
+            return axes, ax
+    return None
+
+
+def _conv_axes(eqn: Any, split: GroupSplit) -> tuple[tuple[int | None, ...], int] | None:
+    dn = eqn.params["dimension_numbers"]
+    if eqn.params.get("batch_group_count", 1) != 1:
+        return None
+    lhs_batch, out_batch = dn.lhs_spec[0], dn.out_spec[0]
+    if not _splittable(eqn.invars[0].aval.shape[lhs_batch], split):
+        return None
+    return (lhs_batch, None), out_batch
+
+
+def _gather_axes(eqn: Any, split: GroupSplit) -> tuple[tuple[int | None, ...], int] | None:
+    dn = eqn.params["dimension_numbers"]
+    if dn.operand_batching_dims or dn.start_indices_batching_dims:
+        return None
+    idx_shape = eqn.invars[1].aval.shape
+    out_ndim = len(eqn.outvars[0].aval.shape)
+    batch_out = [d for d in range(out_ndim) if d not in dn.offset_dims]
+    # Indices' last axis is the index vector (JAX's convention); the others map, in order,
+    # onto the output's non-offset axes.
+    for k in range(len(idx_shape) - 1):
+        if _splittable(idx_shape[k], split):
+            return (None, k), batch_out[k]
+    return None
+
+
+def partial_sharding(param_sharding: NamedSharding, split: GroupSplit) -> NamedSharding:
+    """The layout of a parameter's partials: groups over the data-parallel axes, the rest as
+    the parameter (minus those axes, which ZeRO layouts also use)."""
+    dp = set(split.axes)
+    rest = []
+    for entry in param_sharding.spec:
+        names = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
+        kept = tuple(n for n in names if n not in dp)
+        rest.append(kept if len(kept) > 1 else kept[0] if kept else None)
+    lead = split.axes if len(split.axes) > 1 else split.axes[0]
+    return NamedSharding(param_sharding.mesh, PartitionSpec(lead, *rest))
+
+
+def eval_with_partials(
+    eqns: Sequence[Any],
+    env: dict[Any, Any],
+    plan: PartialsPlan,
+    partials: dict[Any, Any],
+    split: GroupSplit,
+    constrain: Callable[[Any, Any], Any],
+    start: int = 0,
+) -> None:
+    """Evaluate ``eqns`` (the plan's equations from index ``start`` on) into ``env`` like
+    ``eval_eqns``, routing each grouped use's parameter cotangent into ``partials[param]``
+    (zeros of shape ``(D, *param.shape)``); ``constrain(param, d)`` lays out such a
+    cotangent (the parameter's partials sharding)."""
+    for i, eqn in enumerate(eqns, start):
+        use = plan.uses.get(i)
+        if use is None:
+            eval_eqns([eqn], env)
+            continue
+        invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        others = [x for k, x in enumerate(invals) if k != use.operand]
+        fn = _grouped_call(eqn, use, split, constrain)
+        env[eqn.outvars[0]] = fn(env[use.param], partials[use.param], *others)
+
+
+def _grouped_call(
+    eqn: Any, use: _Use, split: GroupSplit, constrain: Callable[[Any, Any], Any]
+) -> Callable[..., Any]:
+    def operand(pv: Any) -> Any:
+        # The chain reads only the parameter and literals (plan_partials), so it closes over
+        # no traced value: a custom VJP may not.
+        local = {use.param: pv}
+        eval_eqns(use.chain, local)
+        return local[eqn.invars[use.operand]] if use.chain else pv
+
+    def apply(pv: Any, others: Sequence[Any], per_group: bool) -> Any:
+        args = list(others)
+        args.insert(use.operand, operand(pv))
+        if per_group and eqn.primitive.name == "broadcast_in_dim":
+            shape = list(eqn.params["shape"])
+            shape[use.out_axis] //= split.groups
+            params = dict(eqn.params, shape=tuple(shape))
+            with equation_context(eqn):
+                return eqn.primitive.bind(*args, **params)
+        return bind_equation(eqn, args)[0]
+
+    other_axes = [a for k, a in enumerate(use.in_axes) if k != use.operand]
+
+    @jax.custom_vjp
+    def grouped(pv: Any, z: Any, *others: Any) -> Any:
+        del z  # zero-valued; only its cotangent matters
+        return apply(pv, others, False)
+
+    def fwd(pv: Any, z: Any, *others: Any) -> tuple[Any, Any]:
+        del z
+        return apply(pv, others, False), (pv, others)
+
+    def bwd(res: Any, ct: Any) -> tuple[Any, ...]:
+        pv, others = res
+        diff = [k for k, x in enumerate(others) if is_float(x)]
+
+        def of_diff(*dvals: Any) -> Any:
+            xs = list(others)
+            for k, x in zip(diff, dvals, strict=True):
+                xs[k] = x
+            return apply(pv, xs, False)
+
+        _, vjp_others = jax.vjp(of_diff, *(others[k] for k in diff))
+        d_diff = vjp_others(ct)
+        d_others: list[Any] = [None] * len(others)
+        for k, d in zip(diff, d_diff, strict=True):
+            d_others[k] = d
+
+        def one_group(o_g: Sequence[Any], ct_g: Any) -> Any:
+            _, vjp_p = jax.vjp(lambda p: apply(p, o_g, True), pv)
+            return vjp_p(ct_g)[0]
+
+        split_others = [
+            x if a is None else _split(x, a, split.groups)
+            for x, a in zip(others, other_axes, strict=True)
+        ]
+        dz = jax.vmap(one_group, in_axes=(other_axes, use.out_axis))(
+            split_others, _split(ct, use.out_axis, split.groups)
+        )
+        return (jnp.zeros_like(pv), constrain(use.param, dz), *d_others)
+
+    grouped.defvjp(fwd, bwd)
+    return grouped
+
+
+def _split(x: Any, axis: int, groups: int) -> Any:
+    """``x`` with ``axis`` reshaped into ``(groups, size // groups)`` (contiguous blocks)."""
+    shape = x.shape
+    return x.reshape((*shape[:axis], groups, shape[axis] // groups, *shape[axis + 1 :]))

@@ -1,0 +1,138 @@
+"""Gradients synchronised once per step: each data-parallel group adds its partial gradients
+over the micro-batches and a stage reduces them once (``lower/partials.py``), counted in the
+compiled HLO of every program through ``PipeshardExecutable.collectives()``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import alpa_mini
+from alpa_mini import (
+    ClusterSpec,
+    ManualLayerOption,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+)
+from alpa_mini.models import GPTConfig, gpt_loss, init_gpt, make_gpt_batch, make_train_step, sgd
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def _train(loss, params, data, method, steps: int = 2):
+    """SGD steps beside serial JAX (to 1e-6); the executable."""
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    opt = sgd(0.1)
+    pstep = alpa_mini.parallelize(
+        make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
+    )
+    serial = jax.jit(make_train_step(loss, opt))
+    got = want = (params, opt.init(params))
+    for _ in range(steps):
+        *got, l_got = pstep(*got, data)
+        *want, l_want = serial(*want, data)
+        np.testing.assert_allclose(float(l_got), float(l_want), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    return pstep.get_executable(params, opt.init(params), data)
+
+
+def _method(B: int, stages: int = 1, layout: str = "data") -> PipeshardParallel:
+    return PipeshardParallel(
+        num_micro_batches=B,
+        layer_option=ManualLayerOption(),
+        stage_option=UniformStageOption(stages, (1, 8 // stages)),
+        default_auto_sharding_option=ShardParallel(layout=layout),
+    )
+
+
+def _reduced_bytes(per_step: dict[str, tuple[int, int]]) -> int:
+    return sum(per_step.get(k, (0, 0))[1] for k in REDUCTIONS)
+
+
+def test_data_parallel_mlp_reduces_its_gradients_once_per_step():
+    params, batch = marked_mlp_args(4, 64, 128)
+    grad_bytes = 4 * 64 * 64 * 4  # four f32 64x64 gradients
+    totals = {}
+    for B in (1, 4, 16):
+        c = _train(marked_mlp_loss, params, batch, _method(B)).collectives()
+        assert not any(k in c.per_step("backward") for k in REDUCTIONS), str(c)
+        sync = c["sync0"]
+        assert sync.runs_per_step == 1
+        assert sync.per_step() == {"all-reduce": (4, grad_bytes)}, str(c)
+        totals[B] = _reduced_bytes(c.per_step())
+    # Everything else reduced per step is the loss (4 bytes per micro-batch).
+    assert max(totals.values()) <= 1.05 * min(totals.values()), totals
+
+
+def test_zero3_reduce_scatters_each_gradient_once_per_step():
+    params, batch = marked_mlp_args(4, 64, 128)
+    for B in (1, 4):
+        c = _train(marked_mlp_loss, params, batch, _method(B, layout="zero3")).collectives()
+        assert "reduce-scatter" not in c.per_step("backward"), str(c)
+        assert c["sync0"].per_step() == {"reduce-scatter": (4, 4 * 64 * 64 * 4)}, str(c)
+
+
+def test_two_stages_each_sync_once_per_step():
+    params, batch = marked_mlp_args(4, 64, 128)
+    c = _train(marked_mlp_loss, params, batch, _method(4, stages=2)).collectives()
+    for s in (0, 1):
+        assert c[f"sync{s}"].runs_per_step == 1
+        assert c[f"sync{s}"].per_step() == {"all-reduce": (2, 2 * 64 * 64 * 4)}, str(c)
+        assert c[f"bwd{s}"].runs_per_step == 4
+    assert not any(k in c.per_step("backward") for k in REDUCTIONS), str(c)
+    # The sync follows the stage's last backward in the stream (it overlaps earlier stages).
+    ex_stream = [ins.program for ins in _stream_runs(marked_mlp_loss, params, batch)]
+    for s in (0, 1):
+        assert (
+            ex_stream.index(f"sync{s}")
+            == max(i for i, p in enumerate(ex_stream) if p == f"bwd{s}") + 1
+        )
+
+
+def _stream_runs(loss, params, batch):
+    from alpa_mini.runtime.instructions import Run
+
+    ex = _train(loss, params, batch, _method(4, stages=2), steps=1)
+    return [ins for ins in ex.compiled.stream if isinstance(ins, Run)]
+
+
+def test_inspection_names_programs_and_refuses_unknown_ones():
+    params, batch = marked_mlp_args(4, 64, 128)
+    ex = _train(marked_mlp_loss, params, batch, _method(4), steps=1)
+    text = ex.get_hlo_text("sync0")
+    assert "all-reduce" in text
+    c = ex.collectives()
+    assert {p.role for p in c.programs} >= {"forward", "backward", "sync", "apply"}
+    assert "sync0" in str(c)
+    with pytest.raises(ValueError, match="no program 'nope'"):
+        ex.get_hlo_text("nope")
+
+
+@pytest.mark.slow
+def test_data_parallel_gpt_reduces_its_gradients_once_per_step():
+    config = dataclasses.replace(
+        GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=2),
+        pipeline_marks=True,
+    )
+    params = init_gpt(config, jax.random.PRNGKey(1))
+    data = make_gpt_batch(config, jax.random.PRNGKey(2), 128)
+
+    def loss(p, b):
+        return gpt_loss(p, b, config)
+
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    totals = {}
+    for B in (1, 4, 16):
+        c = _train(loss, params, data, _method(B)).collectives()
+        assert not any(k in c.per_step("backward") for k in REDUCTIONS), str(c)
+        count, nbytes = c["sync0"].per_step()["all-reduce"]
+        assert (count, nbytes) == (len(jax.tree.leaves(params)), param_bytes), str(c)
+        totals[B] = _reduced_bytes(c.per_step())
+    assert max(totals.values()) <= 1.05 * min(totals.values()), totals
