@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .instructions import Gather, Recv, Send, program_runs
+from .instructions import Gather, Recv, Run, Send, program_runs
 from .local import InstructionTiming, LocalRuntime
 
 __all__ = ["HostWorker", "Resident", "place"]
@@ -162,6 +162,7 @@ class HostWorker:
             for name, v in inputs.items()
         }
         in_flight: collections.deque[Any] = collections.deque()
+        limit = CPU_GROUP_IN_FLIGHT if self._throttle else runtime.max_in_flight
         self._timings = []
         for index, ins in enumerate(stream):
             start = time.time() if timed else 0.0
@@ -178,10 +179,10 @@ class HostWorker:
                 written = [buffers[n] for n in runtime.written(ins) if n in buffers]
                 if timed:
                     jax.block_until_ready(written)
-                elif self._throttle:
+                elif limit and (self._throttle or isinstance(ins, Run)):
                     in_flight.append(written)
-                    if len(in_flight) > CPU_GROUP_IN_FLIGHT:
-                        # A buffer donated since (an accumulator) is already consumed.
+                    if len(in_flight) > limit:
+                        # A buffer donated since (an apply program's input) is consumed.
                         done = [x for x in in_flight.popleft() if not _deleted(x)]
                         jax.block_until_ready(done)
             if timed:

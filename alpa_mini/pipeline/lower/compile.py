@@ -392,7 +392,7 @@ def _stage_programs(
     st: _Stage, consts: dict[Any, Any], gr: _StageGrads, loss_in: dict[Any, int]
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``fwd{s}`` (outputs and the vjp closure) and ``bwd{s}`` (activation cotangents, and
-    the stage's gradient accumulators with this micro-batch added, updated in place)."""
+    the stage's gradient accumulators with this micro-batch added)."""
     diff_in, nondiff_in = list(st.diff_in), list(st.nondiff_in)
     diff_out, nondiff_out = list(st.diff_out), list(st.nondiff_out)
     eqns = st.sl.eqns
@@ -440,7 +440,7 @@ def _stage_programs(
         return (*outs_d, *outs_nd, vjp_fn)
 
     acts = [v for v in diff_in if v not in loss_in]
-    n_ct, n_acc = len(diff_out), len(gr.accs)
+    n_ct = len(diff_out)
 
     def bwd(vjp_fn: Any, *rest: Any) -> tuple[Any, ...]:
         cts, accs = rest[:n_ct], rest[n_ct:]
@@ -457,8 +457,10 @@ def _stage_programs(
     out_sh = (*(st.out_sharding[v] for v in diff_out + nondiff_out), None)
     bwd_sh = (*(st.in_sharding[v] for v in acts), *gr.shardings)
     fwd_j = jax.jit(fwd, in_shardings=in_sh, out_shardings=out_sh)
-    donate = tuple(range(1 + n_ct, 1 + n_ct + n_acc))
-    bwd_j = jax.jit(bwd, out_shardings=bwd_sh, donate_argnums=donate)
+    # The accumulators are not donated: on the CPU client, donating them with many programs
+    # in flight deadlocked an 8-device collective (ZeRO-3 MLP, B = 16). The old buffer is
+    # dropped as soon as the backward has run, so this costs one accumulator set per stage.
+    bwd_j = jax.jit(bwd, out_shardings=bwd_sh)
     return fwd_j, bwd_j
 
 

@@ -1,0 +1,88 @@
+"""Gradient bytes per step against the micro-batch count, counted in compiled HLO.
+
+One data-parallel stage (8 CPU devices, the "data" layout) and a 2-stage plan of a 4-layer
+MLP; for B = 1, 4, 16 every program's collectives come from ``collectives()`` and are
+weighed by its runs per step. Prints a Markdown table. Run: ``python -m benchmarks.grad_sync``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import alpa_mini  # noqa: E402
+from alpa_mini import (  # noqa: E402
+    ClusterSpec,
+    ManualLayerOption,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+)
+from alpa_mini.models import make_train_step, sgd  # noqa: E402
+
+
+def _mlp(width: int, layers: int, batch: int):
+    import jax.numpy as jnp
+
+    def loss(params, b):
+        x = b["x"]
+        for i, w in enumerate(params):
+            x = jnp.tanh(x @ w)
+            if i < len(params) - 1:
+                alpa_mini.mark_pipeline_boundary()
+        return jnp.mean((x - b["y"]) ** 2)
+
+    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
+    params = [jax.random.normal(k[i], (width, width)) * 0.05 for i in range(layers)]
+    data = {
+        "x": jax.random.normal(k[-2], (batch, width)),
+        "y": jax.random.normal(k[-1], (batch, width)),
+    }
+    return loss, params, data
+
+
+def main() -> None:
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    loss, params, data = _mlp(256, 4, 128)
+    opt = sgd(0.1)
+    rows = []
+    for stages, layout in ((1, "data"), (1, "zero3"), (2, "data")):
+        for B in (1, 4, 16):
+            method = PipeshardParallel(
+                num_micro_batches=B,
+                layer_option=ManualLayerOption(),
+                stage_option=UniformStageOption(stages, (1, 8 // stages)),
+                default_auto_sharding_option=ShardParallel(layout=layout),
+            )
+            step = alpa_mini.parallelize(
+                make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
+            )
+            args = (params, opt.init(params), data)
+            step(*args)
+            c = step.get_executable(*args).collectives()
+            cells = []
+            for role in ("backward", "sync"):
+                per = c.per_step(role)
+                cells.append(
+                    ", ".join(
+                        f"{k} {n} x, {b / 2**20:.2f} MiB" for k, (n, b) in sorted(per.items())
+                    )
+                    or "none"
+                )
+            total = sum(
+                b for k, (_, b) in c.per_step().items() if k in ("all-reduce", "reduce-scatter")
+            )
+            rows.append(
+                f"| {stages} | {layout} | {B} | {cells[0]} | {cells[1]} | {total / 2**20:.3f} |"
+            )
+    print(
+        "| stages | layout | B | backward (per step) | sync (per step) "
+        "| all-reduce + reduce-scatter MiB/step |"
+    )
+    print("|---:|---|---:|---|---|---:|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
