@@ -16,7 +16,7 @@ import jax
 
 from .instructions import Accumulate, Free, Gather, Instruction, Put, Run
 
-__all__ = ["CPU_IN_FLIGHT", "InstructionTiming", "LocalRuntime"]
+__all__ = ["CPU_IN_FLIGHT", "InstructionTiming", "LocalRuntime", "is_deleted"]
 
 #: Programs the local runtime lets run ahead on the CPU client (see ``LocalRuntime``).
 CPU_IN_FLIGHT = 4
@@ -62,7 +62,7 @@ class LocalRuntime:
             if self.max_in_flight and isinstance(ins, Run) and timeline is None:
                 in_flight.append([buffers[n] for n in ins.outputs])
                 if len(in_flight) > self.max_in_flight:
-                    jax.block_until_ready([x for x in in_flight.popleft() if not _deleted(x)])
+                    jax.block_until_ready([x for x in in_flight.popleft() if not is_deleted(x)])
             if timeline is not None:
                 jax.block_until_ready([buffers[n] for n in self.written(ins) if n in buffers])
                 end = time.perf_counter()
@@ -114,9 +114,10 @@ class LocalRuntime:
         return ()
 
 
-def _deleted(x: Any) -> bool:
-    is_deleted = getattr(x, "is_deleted", None)
-    return bool(is_deleted()) if is_deleted is not None else False
+def is_deleted(x: Any) -> bool:
+    """Whether ``x`` is an array whose buffer was donated or deleted."""
+    check = getattr(x, "is_deleted", None)
+    return bool(check()) if check is not None else False
 
 
 def _spec(x: Any) -> Any:

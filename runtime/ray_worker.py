@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .instructions import Gather, Recv, Run, Send, program_runs
-from .local import InstructionTiming, LocalRuntime
+from .local import InstructionTiming, LocalRuntime, is_deleted
 
 __all__ = ["HostWorker", "Resident", "place"]
 
@@ -183,7 +183,7 @@ class HostWorker:
                     in_flight.append(written)
                     if len(in_flight) > limit:
                         # A buffer donated since (an apply program's input) is consumed.
-                        done = [x for x in in_flight.popleft() if not _deleted(x)]
+                        done = [x for x in in_flight.popleft() if not is_deleted(x)]
                         jax.block_until_ready(done)
             if timed:
                 self._timings.append(InstructionTiming(index, ins, start, time.time(), self.host))
@@ -244,11 +244,6 @@ class HostWorker:
                     )
                 self._arrived.wait(left)
             return self._mailbox.pop((step, ins.tag))
-
-
-def _deleted(x: Any) -> bool:
-    is_deleted = getattr(x, "is_deleted", None)
-    return bool(is_deleted()) if is_deleted is not None else False
 
 
 def place(value: Any, sharding: Any) -> Any:
