@@ -51,19 +51,43 @@ _MOVED = {
     **{
         name: f"alpa_mini.inspect.{name}"
         for name in (
-            "Alternative", "CollectiveReport", "Explanation", "Schedule", "Simulation",
-            "StageTiming", "TraceEvent", "bubble_fraction", "make_schedule", "measured_events",
-            "plot_timeline", "simulate", "simulate_plan", "simulated_events",
-            "write_chrome_trace", "write_timeline",
+            "Alternative",
+            "CollectiveReport",
+            "Explanation",
+            "Schedule",
+            "Simulation",
+            "StageTiming",
+            "TraceEvent",
+            "bubble_fraction",
+            "make_schedule",
+            "measured_events",
+            "plot_timeline",
+            "simulate",
+            "simulate_plan",
+            "simulated_events",
+            "write_chrome_trace",
+            "write_timeline",
         )
     },
     **{
         name: f"alpa_mini.solvers.{name}"
         for name in (
-            "Evaluation", "LayerClustering", "LayerCountSearch", "SolverInputError", "Stage",
-            "ShardingProblem", "ShardingSolution", "StageProblem", "StageSolution",
-            "cluster_layers", "evaluate", "load_iopddl", "save_iopddl", "search_num_layers",
-            "solve_sharding", "solve_stages",
+            "Evaluation",
+            "LayerClustering",
+            "LayerCountSearch",
+            "SolverInputError",
+            "Stage",
+            "ShardingProblem",
+            "ShardingSolution",
+            "StageProblem",
+            "StageSolution",
+            "cluster_layers",
+            "evaluate",
+            "load_iopddl",
+            "save_iopddl",
+            "search_num_layers",
+            "solve_sharding",
+            "solve_stages",
         )
     },
     "ModelSpec": "alpa_mini.models.ModelSpec",
@@ -112,7 +136,14 @@ __all__ = [  # noqa: RUF022  (grouped: entry points, methods and options, plans,
 ]
 
 _SUBPACKAGES = (
-    "cluster", "graph", "inspect", "models", "options", "pipeline", "session", "shard",
+    "cluster",
+    "graph",
+    "inspect",
+    "models",
+    "options",
+    "pipeline",
+    "session",
+    "shard",
 )
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, _MOVED, _SUBPACKAGES)

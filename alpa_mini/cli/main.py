@@ -355,4 +355,3 @@ def _status_table(sol: ShardingSolution) -> Table:
     for label, value in sol.rows():
         table.add_row(label, value)
     return table
-

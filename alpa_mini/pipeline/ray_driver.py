@@ -248,6 +248,7 @@ class RayPipeshardExecutable:
     planning_time: float
     last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
     _steps: Any = field(default_factory=itertools.count)
+    _program_table: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
 
     def __call__(self, *args: Any) -> Any:
         return self._run(args, timed=False)
@@ -308,15 +309,15 @@ class RayPipeshardExecutable:
         (a mesh over several hosts runs it as often on each)."""
         import ray
 
-        if "programs" not in self.__dict__:
+        if self._program_table is None:
             workers = self.session.workers
             refs = [w.program_runs.remote(k) for w, k in zip(workers, self.keys, strict=True)]
             found: dict[str, tuple[int, int]] = {}
             for host, runs in enumerate(ray.get(refs, timeout=STEP_TIMEOUT)):
                 for program, n in runs:
                     found.setdefault(program, (host, n))
-            self.__dict__["programs"] = found
-        return self.__dict__["programs"]
+            self._program_table = found
+        return self._program_table
 
     def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
         import ray

@@ -421,12 +421,12 @@ def _stage_programs(
 
     def fwd(*args: Any) -> tuple[Any, ...]:
         d, nd = args[: len(diff_in)], args[len(diff_in) :]
+        groups = gr.split.groups if gr.split is not None else 1  # partials imply a split
         zs = [
             jax.lax.with_sharding_constraint(
-                jnp.zeros((gr.split.groups, *p.aval.shape), p.aval.dtype), partial_sh[p]
+                jnp.zeros((groups, *p.aval.shape), p.aval.dtype), partial_sh[p]
             )
             for p in partial_params
-            if gr.split is not None
         ]
 
         def f(dvals: list[Any], zvals: list[Any]) -> tuple[list[Any], list[Any]]:
