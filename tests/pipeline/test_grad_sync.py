@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -96,6 +97,46 @@ def test_two_stages_each_sync_once_per_step():
         )
 
 
+def _remat_mlp_loss(params, batch):
+    """Each layer a remat block (``jax.checkpoint``) reading its weight and bias."""
+    x = batch["x"]
+    for w, b in params:
+        x = jax.checkpoint(lambda x, w, b: jnp.tanh(x @ w + b))(x, w, b)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _scanned_mlp_loss(params, batch):
+    """A ``lax.scan`` over stacked weights and biases, with a closed-over head weight used in
+    every iteration (a scan constant) and remat inside the body."""
+    stacked, head = params
+
+    @jax.checkpoint
+    def body(x, layer):
+        w, b = layer
+        return jnp.tanh(x @ w + b) + 0.1 * (x @ head), None
+
+    x, _ = jax.lax.scan(body, batch["x"], stacked)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("kind", ["remat", "scan"])
+def test_params_inside_remat_blocks_and_scans_are_reduced_once_per_step(kind):
+    """Weights used only inside ``checkpoint`` bodies or a ``scan`` (stacked slices and a
+    constant) still leave their gradients unreduced until the stage's sync."""
+    ws, batch = marked_mlp_args(3, 64, 128)
+    bs = [jnp.full((64,), 0.01 * (i + 1)) for i in range(3)]
+    if kind == "remat":
+        loss, params = _remat_mlp_loss, list(zip(ws, bs, strict=True))
+    else:
+        loss, params = _scanned_mlp_loss, ((jnp.stack(ws), jnp.stack(bs)), ws[0] * 0.5)
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    count = len(jax.tree.leaves(params))
+    for B in (1, 4):
+        c = _train(loss, params, batch, _method(B)).collectives()
+        assert not any(k in c.per_step("backward") for k in REDUCTIONS), str(c)
+        assert c["sync0"].per_step() == {"all-reduce": (count, grad_bytes)}, str(c)
+
+
 def _stream_runs(loss, params, batch):
     from alpa_mini.runtime.instructions import Run
 
@@ -116,10 +157,12 @@ def test_inspection_names_programs_and_refuses_unknown_ones():
 
 
 @pytest.mark.slow
-def test_data_parallel_gpt_reduces_its_gradients_once_per_step():
+@pytest.mark.parametrize("remat", [False, True])
+def test_data_parallel_gpt_reduces_its_gradients_once_per_step(remat):
     config = dataclasses.replace(
         GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=2),
         pipeline_marks=True,
+        remat=remat,
     )
     params = init_gpt(config, jax.random.PRNGKey(1))
     data = make_gpt_batch(config, jax.random.PRNGKey(2), 128)

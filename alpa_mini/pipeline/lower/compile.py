@@ -406,8 +406,7 @@ def _stage_programs(
         if gr.plan is None or gr.split is None:
             eval_eqns(eqns[lo:hi], env)
         else:
-            constrain = lambda p, d: jax.lax.with_sharding_constraint(d, partial_sh[p])  # noqa: E731
-            eval_with_partials(eqns[lo:hi], env, gr.plan, partials, gr.split, constrain, lo)
+            eval_with_partials(eqns[lo:hi], env, gr.plan, partials, gr.split, partial_sh, lo)
 
     def f_env(env: dict[Any, Any], partials: dict[Any, Any]) -> None:
         done = 0

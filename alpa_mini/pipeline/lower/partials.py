@@ -15,6 +15,9 @@ the global semantics and makes the partial sums an ordinary array instead:
   is evaluated through a custom VJP: the forward is the equation itself, and the backward
   gives ``p`` no cotangent and ``z`` the vmapped per-group cotangents (rows split into ``D``
   contiguous blocks), so the partitioner computes each block where its rows live;
+- a remat block (``checkpoint``) or a ``scan`` that receives ``p`` itself (a scan as a
+  constant or as stacked per-iteration slices) is planned the same way inside its body, and
+  re-issued with the body's own companions (``_Nested``);
 - every other use of ``p`` differentiates ``p`` as before (reduced by the partitioner).
 
 The total gradient is ``dp + sum(dz, axis=0)``: exact, whichever axis is split, because each
@@ -25,7 +28,7 @@ communication. ``plan_partials`` decides statically which parameters get which k
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +67,24 @@ class _Use:
 
 
 @dataclass(frozen=True)
+class _Nested:
+    """Equation ``eqn`` (a ``checkpoint`` or a ``scan``) reads parameters directly: body
+    input ``k`` is outer parameter ``params[k]`` (absent: not a parameter), planned by
+    ``plan`` over the body; ``stacked`` holds the body inputs that are a scan's per-iteration
+    slices of a stacked parameter; ``grouped``: the outer parameters with grouped uses."""
+
+    params: dict[int, Any]
+    plan: PartialsPlan
+    stacked: frozenset[int]
+    grouped: frozenset[Any]
+
+
+@dataclass(frozen=True)
 class PartialsPlan:
     """Per equation index, the grouped use it is (if any); which parameters have grouped
     uses and which still have ordinary (reduced-per-call) ones."""
 
-    uses: dict[int, _Use]
+    uses: dict[int, _Use | _Nested]
     grouped: frozenset[Any]
     plain: frozenset[Any]
 
@@ -87,6 +103,12 @@ def plan_partials(
         origins = {chain[v][0] for v in eqn.invars if not isinstance(v, Literal) and v in chain}
         if not origins:
             continue
+        if eqn.primitive.name in _NESTING:
+            found = _nested_use(eqn, param_set, chain, split)
+            if found is not None:
+                uses[i], nested_plain = found
+                plain.update(nested_plain)
+                continue
         if len(origins) == 1 and not eqn.primitive.multiple_results:
             (p,) = origins
             use = _grouped_use(eqn, p, chain, split)
@@ -104,8 +126,56 @@ def plan_partials(
         plain.update(origins)
     # A value computed from a parameter alone that leaves the stage is an ordinary use too.
     plain.update(chain[v][0] for v in outputs if not isinstance(v, Literal) and v in chain)
-    grouped = {u.param for u in uses.values()}
+    grouped: set[Any] = set()
+    for u in uses.values():
+        if isinstance(u, _Use):
+            grouped.add(u.param)
+        else:
+            grouped.update(u.grouped)
     return PartialsPlan(uses, frozenset(grouped), frozenset(plain & param_set))
+
+
+#: Equations whose body is planned for partials too (remat blocks, scanned stacks).
+_NESTING = frozenset({"checkpoint", "remat2", "scan"})
+
+
+def _body_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]]:
+    """A nesting equation's body (its inputs match the equation's) and the body's consts."""
+    body = eqn.params["jaxpr"]
+    return (body.jaxpr, body.consts) if hasattr(body, "jaxpr") else (body, ())
+
+
+def _nested_use(
+    eqn: Any, param_set: set[Any], chain: dict[Any, Any], split: GroupSplit
+) -> tuple[_Nested, set[Any]] | None:
+    """The nested plan of a remat block or a scan that receives parameters themselves, and
+    the outer parameters left with ordinary uses; None when nothing inside is grouped."""
+    body, _ = _body_jaxpr(eqn)
+    scan = eqn.primitive.name == "scan"
+    n_consts = eqn.params["num_consts"] if scan else len(eqn.invars)
+    n_carry = eqn.params["num_carry"] if scan else 0
+    params: dict[int, Any] = {}
+    stacked: set[int] = set()
+    plain: set[Any] = set()
+    for k, v in enumerate(eqn.invars):
+        if isinstance(v, Literal) or v not in chain:
+            continue
+        if v not in param_set or n_consts <= k < n_consts + n_carry:
+            plain.add(chain[v][0])  # derived values and loop carries stay ordinary
+            continue
+        params[k] = v
+        if k >= n_consts + n_carry:
+            stacked.add(k)
+    if not params:
+        return None
+    inner = [body.invars[k] for k in params]
+    sub = plan_partials(body.eqns, inner, body.outvars, split)
+    if not sub.grouped:
+        return None
+    outer_of = {body.invars[k]: p for k, p in params.items()}
+    plain.update(outer_of[v] for v in sub.plain)
+    grouped = frozenset(outer_of[v] for v in sub.grouped)
+    return _Nested(params, sub, frozenset(stacked), grouped), plain
 
 
 def _dedupe(eqns: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -235,26 +305,89 @@ def eval_with_partials(
     plan: PartialsPlan,
     partials: dict[Any, Any],
     split: GroupSplit,
-    constrain: Callable[[Any, Any], Any],
+    shardings: Mapping[Any, NamedSharding],
     start: int = 0,
 ) -> None:
     """Evaluate ``eqns`` (the plan's equations from index ``start`` on) into ``env`` like
     ``eval_eqns``, routing each grouped use's parameter cotangent into ``partials[param]``
-    (zeros of shape ``(D, *param.shape)``); ``constrain(param, d)`` lays out such a
-    cotangent (the parameter's partials sharding)."""
+    (zeros of shape ``(D, *param.shape)`` laid out as ``shardings[param]``)."""
     for i, eqn in enumerate(eqns, start):
         use = plan.uses.get(i)
         if use is None:
             eval_eqns([eqn], env)
             continue
         invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+        if isinstance(use, _Nested):
+            outs = _nested_call(eqn, use, invals, partials, split, shardings)
+            env.update(zip(eqn.outvars, outs, strict=True))
+            continue
         others = [x for k, x in enumerate(invals) if k != use.operand]
-        fn = _grouped_call(eqn, use, split, constrain)
+        fn = _grouped_call(eqn, use, split, shardings[use.param])
         env[eqn.outvars[0]] = fn(env[use.param], partials[use.param], *others)
 
 
+def _nested_call(
+    eqn: Any,
+    use: _Nested,
+    invals: list[Any],
+    partials: dict[Any, Any],
+    split: GroupSplit,
+    shardings: Mapping[Any, NamedSharding],
+) -> list[Any]:
+    """Re-issue a remat block or a scan with its body evaluated with partials: the
+    companions enter as extra inputs (a scan's stacked ones as per-iteration slices)."""
+    body, consts = _body_jaxpr(eqn)
+    grouped = [k for k, p in use.params.items() if p in use.grouped]
+    sub_sh = {
+        body.invars[k]: _drop_axis(shardings[use.params[k]], 1)
+        if k in use.stacked
+        else shardings[use.params[k]]
+        for k in grouped
+    }
+
+    def run_body(args: Sequence[Any], zs: dict[int, Any]) -> list[Any]:
+        local: dict[Any, Any] = dict(zip(body.constvars, consts, strict=True))
+        local.update(zip(body.invars, args, strict=True))
+        sub_partials = {body.invars[k]: z for k, z in zs.items()}
+        eval_with_partials(body.eqns, local, use.plan, sub_partials, split, sub_sh)
+        return [v.val if isinstance(v, Literal) else local[v] for v in body.outvars]
+
+    zs = {k: partials[use.params[k]] for k in grouped}
+    if eqn.primitive.name != "scan":
+        fn = jax.checkpoint(
+            run_body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+        )
+        return fn(invals, zs)
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    const_z = {k: z for k, z in zs.items() if k not in use.stacked}
+    # A stacked companion (D, L, ...) is scanned along L: each iteration gets (D, ...).
+    xs_z = {k: jnp.moveaxis(z, 1, 0) for k, z in zs.items() if k in use.stacked}
+    const_vals = invals[:n_consts]
+
+    def step(carry: list[Any], x: tuple[list[Any], dict[int, Any]]) -> tuple[Any, Any]:
+        xs, zx = x
+        outs = run_body([*const_vals, *carry, *xs], {**const_z, **zx})
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = jax.lax.scan(
+        step,
+        invals[n_consts : n_consts + n_carry],
+        (invals[n_consts + n_carry :], xs_z),
+        length=eqn.params["length"],
+        reverse=eqn.params["reverse"],
+        unroll=eqn.params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _drop_axis(sharding: NamedSharding, axis: int) -> NamedSharding:
+    """``sharding`` without the spec entry of ``axis`` (a stacked axis scanned away)."""
+    spec = tuple(sharding.spec) + (None,) * max(0, axis + 1 - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:axis], *spec[axis + 1 :]))
+
+
 def _grouped_call(
-    eqn: Any, use: _Use, split: GroupSplit, constrain: Callable[[Any, Any], Any]
+    eqn: Any, use: _Use, split: GroupSplit, sharding: NamedSharding
 ) -> Callable[..., Any]:
     def operand(pv: Any) -> Any:
         # The chain reads only the parameter and literals (plan_partials), so it closes over
@@ -312,7 +445,8 @@ def _grouped_call(
         dz = jax.vmap(one_group, in_axes=(other_axes, use.out_axis))(
             split_others, _split(ct, use.out_axis, split.groups)
         )
-        return (jnp.zeros_like(pv), constrain(use.param, dz), *d_others)
+        dz = jax.lax.with_sharding_constraint(dz, sharding)
+        return (jnp.zeros_like(pv), dz, *d_others)
 
     grouped.defvjp(fwd, bwd)
     return grouped
