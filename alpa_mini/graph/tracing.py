@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from .accumulation import loop_deferrable
 from .jaxpr_walk import (
     INLINED_PRIMITIVES,
     call_jaxpr_of,
@@ -47,6 +48,8 @@ class _Builder:
         self.nodes: list[OpNode] = []
         self.var_tensors: dict[tuple[tuple[int, ...], Any], int] = {}
         self.warnings: list[str] = []
+        # (path, var) -> how often per step a value kept partial is reduced (its loop's exit).
+        self.reduced_at: dict[tuple[tuple[int, ...], Any], float] = {}
 
     # ---------------------------------------------------------------- helpers
     def tensor(self, aval: Any, producer: int | None, role: str, name: str = "") -> int:
@@ -118,6 +121,7 @@ class _Builder:
             flops=flops,
             bytes_accessed=self.bytes_of(ins) + self.bytes_of(outs),
             multiplier=multiplier,
+            comm_scale=self._comm_scale(path, eqn.outvars, multiplier),
             eqn=eqn,
             params=dict(eqn.params),
             kind="opaque" if opaque else "op",
@@ -126,6 +130,30 @@ class _Builder:
         )
         for var, tid in zip(eqn.outvars, outs, strict=True):
             self.bind(env, var, tid, path)
+
+    def _comm_scale(self, path, outvars, multiplier) -> float:
+        """A reduction deferred out of accumulation loops runs at the outermost loop's exit."""
+        exits = [self.reduced_at.get((path, v)) for v in outvars]
+        if not exits or None in exits or not multiplier:
+            return 1.0
+        return max(exits) / multiplier
+
+    def _defer_in_loop(self, eqn, path, here, multiplier) -> None:
+        """Record which body values of an accumulating scan stay partial, and how often they
+        are reduced: once per run of this scan, or later if the enclosing loop defers too."""
+        p = eqn.params
+        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+        outer = {k: self.reduced_at.get((path, v)) for k, v in enumerate(eqn.outvars)}
+        ys = [k - n_carry for k, e in outer.items() if k >= n_carry and e is not None]
+        body = p["jaxpr"].jaxpr
+        found = loop_deferrable(body, n_consts, n_carry, here, ys)
+        if not found:
+            return
+        acc = [k for k in range(n_carry) if (here, body.outvars[k]) in found]
+        exits = [outer[k] if outer[k] is not None else multiplier for k in [*acc, *ys]]
+        exit_at = max(exits, default=multiplier)
+        for key in found:
+            self.reduced_at.setdefault(key, exit_at)
 
     def inline(self, eqn, ins, env, path, here, multiplier) -> None:
         sub, consts = call_jaxpr_of(eqn)
@@ -179,6 +207,7 @@ class _Builder:
             if n_consts <= k < n_consts + n_carry:
                 carry_in_nodes.append(node)
             self.bind(inner, var, out, here)
+        self._defer_in_loop(eqn, path, here, multiplier)
         self.walk(body.jaxpr, inner, here, multiplier * length)
         body_outs = [
             self.tensor(v.aval, None, "const", "literal") if isinstance(v, Literal) else inner[v]

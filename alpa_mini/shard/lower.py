@@ -7,7 +7,8 @@ operator whose strategy reads an operand in another layout it constrains a copy 
 operand, so XLA's partitioner inserts the resharding the plan priced. Inputs and outputs
 get ``NamedSharding``s through ``jax.jit``. Call-like equations are inlined (remat
 boundaries are therefore not kept); ``scan`` is re-emitted as ``lax.scan`` over the
-re-interpreted body.
+re-interpreted body. In a scan that accumulates (the micro-batch loop), reductions that feed
+the accumulators linearly wait until after the loop (``deferred.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding
 
+from ..graph.accumulation import accumulating_carries, loop_deferrable
 from ..graph.jaxpr_walk import INLINED_PRIMITIVES, bind_equation, call_jaxpr_of
 from ..graph.markers import MARKER_NAME
 from ..graph.op_graph import OpGraph
+from .deferred import Grouped, apply_linear, grouped_sharding, into_groups, source
 from .plan import ShardingPlan
 from .spec import ShardingSpec
 
@@ -37,6 +41,8 @@ class _Interpreter:
     def __init__(self, graph: OpGraph, plan: ShardingPlan, mesh: Mesh) -> None:
         self.graph, self.plan, self.mesh = graph, plan, mesh
         self.node_at: dict[tuple[int, ...], int] = {}
+        # (path, var) of the values an accumulation loop may keep as per-group partials.
+        self.deferrable: set[tuple[tuple[int, ...], Any]] = set()
         self.boundary: dict[tuple[tuple[int, ...], str, int], int] = {}
         for node in graph.nodes:
             if node.kind in ("op", "opaque"):
@@ -57,6 +63,35 @@ class _Interpreter:
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, spec.to_partition_spec(self.mesh.axis_names))
         )
+
+    def partition_spec(self, spec: ShardingSpec | None) -> Any:
+        return None if spec is None else spec.to_partition_spec(self.mesh.axis_names)
+
+    def pin_grouped(self, g: Grouped, spec: ShardingSpec | None) -> Grouped:
+        sharding = grouped_sharding(self.mesh, self.partition_spec(spec), g.axes, g.value.ndim - 1)
+        return Grouped(jax.lax.with_sharding_constraint(g.value, sharding), g.axes)
+
+    def reduced(self, x: Any, path: tuple[int, ...], var: Any) -> Any:
+        """A value for an ordinary reader: partials reduced into their planned layout."""
+        if not isinstance(x, Grouped):
+            return x
+        return self.pin(x.reduced(), self.spec_of(path, var))
+
+    def deferred(self, eqn: Any, invals: list[Any], path: tuple[int, ...], here: tuple[int, ...]):
+        """The equation's result kept as partials, when it feeds an accumulator linearly and
+        either reads partials linearly or contracts a split dimension; else None."""
+        if len(eqn.outvars) != 1 or (path, eqn.outvars[0]) not in self.deferrable:
+            return None
+        node_id = self.node_at.get(here)
+        if node_id is None:
+            return None
+        if any(isinstance(x, Grouped) for x in invals):
+            g = apply_linear(eqn, invals, self.mesh)
+        else:
+            invals = [self.operand(x, node_id, k) for k, x in enumerate(invals)]
+            specs = [self.partition_spec(s) for s in self.plan.nodes[node_id].in_specs]
+            g = source(eqn, invals, specs, self.mesh)
+        return None if g is None else [self.pin_grouped(g, self.spec_of(path, eqn.outvars[0]))]
 
     def operand(self, x: Any, node_id: int, k: int) -> Any:
         """Constrain an operand copy when the node's strategy reads another layout."""
@@ -87,9 +122,13 @@ class _Interpreter:
                 outs = self.run(sub, sub_consts, invals, here)
             elif name == MARKER_NAME:
                 outs = invals
+            elif (outs := self.deferred(eqn, invals, path, here)) is not None:
+                pass
             elif name == "scan":
+                invals = [self.reduced(x, path, v) for x, v in zip(invals, eqn.invars, strict=True)]
                 outs = self.scan(eqn, invals, path, here)
             else:
+                invals = [self.reduced(x, path, v) for x, v in zip(invals, eqn.invars, strict=True)]
                 node_id = self.node_at[here]
                 invals = [self.operand(x, node_id, k) for k, x in enumerate(invals)]
                 outs = bind_equation(eqn, invals)
@@ -114,19 +153,70 @@ class _Interpreter:
         )
         body_in_specs = [self.spec_of(here, v) for v in body.jaxpr.invars]
         carry_specs = body_in_specs[n_consts : n_consts + n_carry]
+        acc = accumulating_carries(body.jaxpr, n_consts, n_carry)
+        self.deferrable |= loop_deferrable(body.jaxpr, n_consts, n_carry, here)
+        # Which accumulators receive partials, over which axes: one abstract pass finds out.
+        groups: dict[int, tuple[str, ...]] = {}
+        stacked: dict[int, tuple[str, ...]] = {}
 
         def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             args = [*consts, *carry, *x]
-            args = [self.pin(a, s) for a, s in zip(args, body_in_specs, strict=True)]
+            for k, (a, s) in enumerate(zip(args, body_in_specs, strict=True)):
+                c = k - n_consts
+                if c in groups:
+                    args[k] = self.pin_grouped(Grouped(a, groups[c]), s)
+                else:
+                    args[k] = self.pin(a, s)
             outs = self.run(body.jaxpr, body.consts, args, here)
-            new_carry = [self.pin(c, s) for c, s in zip(outs[:n_carry], carry_specs, strict=True)]
-            return new_carry, outs[n_carry:]
+            new_carry = []
+            for c, (o, s) in enumerate(zip(outs[:n_carry], carry_specs, strict=True)):
+                if c in groups:
+                    new_carry.append(self.carry_partials(o, groups[c], s))
+                else:
+                    if isinstance(o, Grouped) and c in acc:
+                        groups.setdefault(c, o.axes)  # recorded by the abstract pass
+                    new_carry.append(self.pin(self.reduced(o, here, body.jaxpr.outvars[c]), s))
+            ys = []
+            for k, (o, v) in enumerate(
+                zip(outs[n_carry:], body.jaxpr.outvars[n_carry:], strict=True)
+            ):
+                if isinstance(o, Grouped) and (path, eqn.outvars[n_carry + k]) in self.deferrable:
+                    stacked[k] = o.axes
+                    ys.append(o.value)
+                else:
+                    ys.append(self.reduced(o, here, v))
+            return new_carry, ys
 
+        if acc:
+            jax.eval_shape(lambda: step(list(init), [x[0] for x in xs]))
+            stacked.clear()
+        init = [
+            into_groups(x, self.mesh, groups[c]) if c in groups else x for c, x in enumerate(init)
+        ]
         carry, ys = jax.lax.scan(
             step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
         )
-        outs = [*carry, *ys]
-        return [self.pin(x, self.spec_of(path, v)) for x, v in zip(outs, eqn.outvars, strict=True)]
+        outs: list[Any] = [
+            Grouped(x, groups[c]) if c in groups else x for c, x in enumerate(carry)
+        ] + [
+            Grouped(jnp.moveaxis(y, 1, 0), stacked[k]) if k in stacked else y
+            for k, y in enumerate(ys)
+        ]
+        result = []
+        for x, v in zip(outs, eqn.outvars, strict=True):
+            if isinstance(x, Grouped) and (path, v) in self.deferrable:
+                result.append(self.pin_grouped(x, self.spec_of(path, v)))
+            else:
+                result.append(self.pin(self.reduced(x, path, v), self.spec_of(path, v)))
+        return result
+
+    def carry_partials(self, o: Any, axes: tuple[str, ...], spec: ShardingSpec | None) -> Any:
+        """An accumulator's new partials (a value that came out reduced goes to group 0)."""
+        if not isinstance(o, Grouped) or o.axes != axes:
+            o = Grouped(
+                into_groups(o.reduced() if isinstance(o, Grouped) else o, self.mesh, axes), axes
+            )
+        return self.pin_grouped(o, spec).value
 
 
 def build_sharded_function(
@@ -141,7 +231,10 @@ def build_sharded_function(
     interp = _Interpreter(graph, plan, mesh)
 
     def flat_fun(*flat_args: Any) -> tuple[Any, ...]:
-        return tuple(interp.run(closed.jaxpr, closed.consts, flat_args, ()))
+        outs = interp.run(closed.jaxpr, closed.consts, flat_args, ())
+        return tuple(
+            interp.reduced(x, (), v) for x, v in zip(outs, closed.jaxpr.outvars, strict=True)
+        )
 
     in_shardings = tuple(
         named_sharding(mesh, plan.tensors[t].spec, len(plan.tensors[t].shape)) for t in plan.inputs
