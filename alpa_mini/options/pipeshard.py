@@ -253,6 +253,12 @@ class PipeshardParallel:
     plan: Any = None  # a PipeshardPlan to replay without planning
     memory_budget: float | None = None
 
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether stages keep optimiser state and gradients sharded over their devices
+        (ZeRO-2 style): under every layout but "data", as the planner prices them."""
+        return self.default_auto_sharding_option.layout != "data"
+
     @classmethod
     def from_plan(cls, plan: Any, **options: Any) -> PipeshardParallel:
         """Replay a saved ``PipeshardPlan`` (or its JSON text): same stages, devices, layouts."""

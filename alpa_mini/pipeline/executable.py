@@ -228,7 +228,13 @@ def compile_pipeshard(
     lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
     schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batches)
     compiled = compile_pipeline(
-        prepared.step, prepared.capture, prepared.forward, lowering, schedule, donated
+        prepared.step,
+        prepared.capture,
+        prepared.forward,
+        lowering,
+        schedule,
+        donated,
+        method.shards_optimizer_state,
     )
     runtime = LocalRuntime(compiled.programs, compiled.layouts, add_buffers)
     return PipeshardExecutable(

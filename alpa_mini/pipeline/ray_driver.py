@@ -176,6 +176,7 @@ class WorkerBuilder:
     stage_host: tuple[tuple[int, ...], ...]
     devices_per_host: int
     donated: tuple[int, ...] = ()  # argument leaves the step may consume
+    shard_state: bool = False  # optimiser state in ZeRO layouts (PipeshardParallel)
 
     def __call__(
         self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
@@ -198,7 +199,9 @@ class WorkerBuilder:
                 placed.append(tuple(devices[: len(st.devices)]))
         schedule = make_schedule(plan.schedule, plan.num_stages, B)
         lowering = stage_lowerings(plan, placed)
-        compiled = compile_pipeline(step, capture, forward, lowering, schedule, self.donated)
+        compiled = compile_pipeline(
+            step, capture, forward, lowering, schedule, self.donated, self.shard_state
+        )
         split = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
         holds = sorted(
             n for n in compiled.out_names if n is not None and host in split.where.get(n, ())
@@ -491,6 +494,7 @@ def compile_pipeshard_ray(
         tuple(hosts),
         cluster.devices_per_host,
         tuple(donated),
+        method.shards_optimizer_state,
     )
     built = ray.get([w.build.remote(builder) for w in session.workers])
     meta = built[0]["meta"]

@@ -302,7 +302,8 @@ class _StageModel:
             opt = dataclasses.replace(opt, layout=layout, batch_axis=None)
         budget = _budget(self.method, self.cluster)
         # Optimiser state is sharded over the stage's devices, except under plain data
-        # parallelism, which keeps a whole copy on every device.
+        # parallelism, which keeps a whole copy on every device (the runtime does the same:
+        # PipeshardParallel.shards_optimizer_state, lower/apply_grad.state_sharding).
         state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
         roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
         filters = None

@@ -19,7 +19,40 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ...graph.jaxpr_walk import eval_eqns
 from ...runtime.instructions import Instruction, Put, Run
 
-__all__ = ["apply_updates", "donate_inputs"]
+__all__ = ["apply_updates", "donate_inputs", "state_sharding"]
+
+
+def state_sharding(
+    param: NamedSharding, shape: tuple[int, ...], first: tuple[str, ...] = ()
+) -> NamedSharding:
+    """ZeRO's layout for a parameter's optimiser state and gradient: the parameter's, with
+    the mesh axes it leaves unused added (minor) to the first dimension they divide, the
+    data-parallel axes ``first`` major among them so that a reduce-scatter over those axes
+    lands in place. The parameter's own layout when no dimension fits."""
+    spec = list(param.spec) + [None] * (len(shape) - len(param.spec))
+    used = {a for e in spec for a in _axes(e)}
+    names = param.mesh.axis_names
+    unused = [a for a in first if a not in used] + [
+        a for a in names if a not in used and a not in first
+    ]
+    if not unused:
+        return param
+    extra = 1
+    for a in unused:
+        extra *= param.mesh.shape[a]
+    for d, size in enumerate(shape):
+        have = 1
+        for a in _axes(spec[d]):
+            have *= param.mesh.shape[a]
+        if size % (have * extra) == 0:
+            axes = (*_axes(spec[d]), *unused)
+            spec[d] = axes if len(axes) > 1 else axes[0]
+            return NamedSharding(param.mesh, PartitionSpec(*spec))
+    return param
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return tuple(entry) if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
 class _Unjitted:
@@ -93,10 +126,16 @@ def apply_updates(
     programs: dict[str, Callable[..., Any]],
     stream: list[Instruction],
     layout_key: Callable[[NamedSharding, int], str],
+    grad_param: dict[Any, int] | None = None,
+    shard_state: Callable[[int, NamedSharding, tuple[int, ...]], NamedSharding] | None = None,
 ) -> tuple[list[str | None], dict[int, Any]]:
     """Split the equations after the gradient (equation ``g``) by where their results should
     live; add each stage's apply program and instructions. Returns the step's output buffer
-    names (None for a literal) and its literal outputs."""
+    names (None for a literal) and its literal outputs.
+
+    With ``shard_state`` (stage, parameter layout, shape -> layout), optimiser state is kept
+    in that layout (ZeRO): fed so, and returned so; ``grad_param`` names the parameter
+    argument of each gradient output."""
     sj = step.jaxpr
     eqns = [e for i, e in enumerate(sj.eqns) if i != g]
     step_in = {v: k for k, v in enumerate(sj.invars)}
@@ -121,15 +160,24 @@ def apply_updates(
             per_stage.setdefault(k, []).append((o, v))
             out_names.append(f"out{o}")
     consts = dict(zip(sj.constvars, step.consts, strict=True))
+    state: dict[int, tuple[int, NamedSharding]] = {}
+    if shard_state is not None:
+        layout_of_root = {sj.invars[k]: home for k, home in param_home.items()}
+        layout_of_root.update({v: param_home[k] for v, k in (grad_param or {}).items()})
+        state = _state_layouts(sj, eqns, made_by, layout_of_root, shard_state, set(param_home))
     for s, outs in sorted(per_stage.items()):
         sub, needed = _backward_slice(eqns, [v for _, v in outs])
         inputs = [w for w in needed if w not in consts]
-        where = _Where(step_in, gout, param_home, arg_names)
+        where = _Where(step_in, gout, {**param_home, **state}, arg_names)
         names_in = _feed(inputs, s, sts[s].mesh, where, stream, layout_key)
         out_sh = []
         for o, _v in outs:
             k = _alias_param(step, o, param_home)
-            out_sh.append(param_home[k][1] if k is not None and param_home[k][0] == s else None)
+            if k is None and o in state:
+                k, home = o, state[o]
+            else:
+                home = param_home.get(k) if k is not None else None
+            out_sh.append(home[1] if home is not None and home[0] == s else None)
         program = _apply_program(sub, inputs, [v for _, v in outs], consts)
         # Jitted by ``donate_inputs`` once the stream is complete (which inputs die here).
         programs[f"apply{s}"] = _Unjitted(program, tuple(out_sh))
@@ -137,29 +185,62 @@ def apply_updates(
     return out_names, out_literals
 
 
-def _home(v: Any, eqns: list[Any], made_by: dict[Any, int], roots: dict[Any, int]) -> int:
-    """The stage a result goes to: the home of its nearest root ancestor of the same shape
-    (an optimiser update lives with its parameter), else of its nearest one at all, else 0."""
-    best_any, best_same = None, None
+def _ancestors(v: Any, eqns: list[Any], made_by: dict[Any, int]) -> Any:
+    """``v`` and the values it is computed from, nearest first (breadth first)."""
     seen = {v}
     queue = deque([v])
     while queue:
         u = queue.popleft()
-        if u in roots:
-            if best_any is None:
-                best_any = roots[u]
-            if best_same is None and u.aval.shape == v.aval.shape:
-                best_same = roots[u]
-                break
+        yield u
         if u in made_by:
             for w in eqns[made_by[u]].invars:
                 if not isinstance(w, Literal) and w not in seen:
                     seen.add(w)
                     queue.append(w)
-    for cand in (best_same, best_any):
-        if cand is not None:
-            return cand
+
+
+def _nearest_root(
+    v: Any, eqns: list[Any], made_by: dict[Any, int], roots: dict[Any, Any], same_shape: bool
+) -> Any | None:
+    for u in _ancestors(v, eqns, made_by):
+        if u in roots and (not same_shape or u.aval.shape == v.aval.shape):
+            return u
+    return None
+
+
+def _home(v: Any, eqns: list[Any], made_by: dict[Any, int], roots: dict[Any, int]) -> int:
+    """The stage a result goes to: the home of its nearest root ancestor of the same shape
+    (an optimiser update lives with its parameter), else of its nearest one at all, else 0."""
+    for same in (True, False):
+        u = _nearest_root(v, eqns, made_by, roots, same)
+        if u is not None:
+            return roots[u]
     return 0
+
+
+def _state_layouts(
+    sj: Any,
+    eqns: list[Any],
+    made_by: dict[Any, int],
+    layout_of_root: dict[Any, tuple[int, NamedSharding]],
+    shard: Callable[[int, NamedSharding, tuple[int, ...]], NamedSharding],
+    skip: set[int],
+) -> dict[int, tuple[int, NamedSharding]]:
+    """Step argument leaf -> (stage, ZeRO layout) for optimiser state: a leaf the step
+    returns updated at the same position, whose update derives from a parameter or its
+    gradient of the same shape, is laid out as ``shard`` says for that parameter."""
+    found = {}
+    for k, w in enumerate(sj.invars):
+        if k in skip or k >= len(sj.outvars) or not getattr(w.aval, "shape", ()):
+            continue
+        o = sj.outvars[k]
+        if isinstance(o, Literal) or o.aval.shape != w.aval.shape or o.aval.dtype != w.aval.dtype:
+            continue
+        root = _nearest_root(o, eqns, made_by, layout_of_root, True)
+        if root is not None:
+            s, lay = layout_of_root[root]
+            found[k] = (s, shard(s, lay, tuple(w.aval.shape)))
+    return found
 
 
 def _backward_slice(eqns: list[Any], results: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -202,7 +283,8 @@ def _feed(
     layout_key: Callable[[NamedSharding, int], str],
 ) -> list[str]:
     """Buffer names of stage ``s``'s apply inputs, PUT there first unless already in place
-    (a parameter this stage owns keeps its layout; others arrive replicated)."""
+    (a parameter this stage owns keeps its layout, its optimiser state takes its ZeRO
+    layout when sharded; others arrive replicated)."""
     names_in = []
     for w in inputs:
         if w in where.step_in:

@@ -34,7 +34,7 @@ from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from ...shard.spec import ShardingSpec
 from ..schedules import Schedule
 from ..stage_slice import StageSlice, slice_stage
-from .apply_grad import apply_updates, donate_inputs
+from .apply_grad import apply_updates, donate_inputs, state_sharding
 from .partials import GroupSplit, PartialsPlan, eval_with_partials, partial_sharding, plan_partials
 
 __all__ = ["CompiledPipeline", "StageLowering", "compile_pipeline", "grad_equation"]
@@ -122,10 +122,13 @@ def compile_pipeline(
     stages: Sequence[StageLowering],
     schedule: Schedule,
     donated: Sequence[int] = (),
+    shard_state: bool = False,
 ) -> CompiledPipeline:
     """Build programs and the instruction stream of one pipelined step.
 
     ``donated``: step argument leaves the apply programs may consume (``donate_argnums``).
+    ``shard_state``: keep optimiser state and gradients in ZeRO layouts over each stage's
+    devices (``apply_grad.state_sharding``), as the planner prices every layout but "data".
     Long because it is one walk: stages and their layouts, the per-stage programs, then the
     schedule's ticks emitted in order, sharing buffer-naming and freeing state that the
     instruction stream's correctness depends on (every buffer freed exactly once after its
@@ -211,13 +214,6 @@ def compile_pipeline(
     programs: dict[str, Callable[..., Any]] = {}
     rows = _micro_batch_rows(fj, capture)
     grads = [_stage_grads(st, loss_in, capture, rows) for st in sts]
-    for st, gr in zip(sts, grads, strict=True):
-        s = st.index
-        programs[f"fwd{s}"], programs[f"bwd{s}"] = _stage_programs(st, consts, gr, loss_in)
-        if gr.accs:
-            programs[f"zeros{s}"] = _acc_zeros(gr)
-        if gr.needs_sync:
-            programs[f"sync{s}"] = _sync_program(st, gr)
     vid: dict[Any, int] = {}
 
     def name(v: Any) -> str:
@@ -230,6 +226,28 @@ def compile_pipeline(
             if v in loss_in:
                 users.setdefault(loss_in[v], []).append(st.index)
     owner = {j: us[0] for j, us in users.items()}
+    dp_axes = [gr.split.axes if gr.split is not None else () for gr in grads]
+
+    def zero_layout(s: int, lay: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+        return state_sharding(lay, shape, dp_axes[s])
+
+    # The layout each gradient is handed to its owner in: the parameter's, or ZeRO's.
+    grad_layout: dict[int, NamedSharding] = {}
+    for j, o in owner.items():
+        v = _var_of(sts[o], loss_in, j)
+        lay = sts[o].in_sharding[v]
+        grad_layout[j] = zero_layout(o, lay, v.aval.shape) if shard_state else lay
+    for st, gr in zip(sts, grads, strict=True):
+        s = st.index
+        programs[f"fwd{s}"], programs[f"bwd{s}"] = _stage_programs(st, consts, gr, loss_in)
+        if gr.accs:
+            programs[f"zeros{s}"] = _acc_zeros(gr)
+        if gr.needs_sync:
+            targets = tuple(
+                grad_layout[loss_in[p]] if owner[loss_in[p]] == s else st.in_sharding[p]
+                for p in gr.params
+            )
+            programs[f"sync{s}"] = _sync_program(gr, targets)
 
     stream: list[Instruction] = []
     arg_names = [f"arg{k}" for k in range(len(step.jaxpr.invars))]
@@ -335,7 +353,7 @@ def compile_pipeline(
             dead += [d, moved]
         stream.append(Free(tuple(dict.fromkeys(dead)), s))
         if m == last_bwd[s]:
-            _sync_stage(st, gr, accs, loss_in, owner, sts, stream, accumulate, layout_key)
+            _sync_stage(st, gr, accs, loss_in, owner, grad_layout, stream, accumulate, layout_key)
 
     # ------------------------------------------------------------------ gradient outputs
     # Buffers standing for the captured equation's outputs: value, aux..., grads of diff leaves.
@@ -362,8 +380,23 @@ def compile_pipeline(
         v = _var_of(sts[o], loss_in, j)
         if capture.diff[j]:
             param_home[arg_of[j]] = (o, sts[o].in_sharding[v])
+    grad_param = {
+        ov: arg_of[j]
+        for j, ov in zip(diff_leaves, geqn.outvars[1 + capture.num_aux :], strict=True)
+        if j in owner
+    }
     out_names, out_literals = apply_updates(
-        step, g, gout, param_home, sts, arg_names, programs, stream, layout_key
+        step,
+        g,
+        gout,
+        param_home,
+        sts,
+        arg_names,
+        programs,
+        stream,
+        layout_key,
+        grad_param,
+        zero_layout if shard_state else None,
     )
     donation = donate_inputs(programs, stream, {arg_names[k] for k in donated}, out_names)
     stage_params = [sorted({arg_of[loss_in[v]] for v in st.diff_in if v in loss_in}) for st in sts]
@@ -543,21 +576,22 @@ def _acc_zeros(gr: _StageGrads) -> Callable[..., Any]:
     )
 
 
-def _sync_program(st: _Stage, gr: _StageGrads) -> Callable[..., Any]:
+def _sync_program(gr: _StageGrads, targets: tuple[NamedSharding, ...]) -> Callable[..., Any]:
     """``sync{s}``: the once-per-step reduction of the stage's partial sums into each
-    parameter's layout: an all-reduce, or a reduce-scatter where the layout shards the
-    parameter over the data-parallel axes (ZeRO-3)."""
+    gradient's layout (``targets``, one per parameter): an all-reduce, or a reduce-scatter
+    where the layout shards it over the data-parallel axes (ZeRO-2/3)."""
     split = gr.split
     assert split is not None
+    target = dict(zip(gr.params, targets, strict=True))
 
     def sync(*accs: Any) -> tuple[Any, ...]:
         total: dict[Any, Any] = {}
         for acc, (p, partial), sh in zip(accs, gr.accs, gr.shardings, strict=True):
-            g = _reduce_groups(acc, sh, st.in_sharding[p], split) if partial else acc
+            g = _reduce_groups(acc, sh, target[p], split) if partial else acc
             total[p] = g if p not in total else total[p] + g
         return tuple(total[p] for p in gr.params)
 
-    return jax.jit(sync, out_shardings=tuple(st.in_sharding[p] for p in gr.params))
+    return jax.jit(sync, out_shardings=targets)
 
 
 def _axes_of(entry: Any) -> tuple[str, ...]:
@@ -569,18 +603,25 @@ def _reduce_groups(
 ) -> Any:
     """``acc.sum(0)`` laid out as ``target``, as one collective over the group axes: a
     ``psum`` when ``target`` does not use them, a tiled ``psum_scatter`` when one dimension
-    of ``target`` adds them as its minor axes; otherwise left to the partitioner (which may
-    all-reduce and slice)."""
+    of ``target`` adds them (then possibly more axes, a local slice) after its own;
+    otherwise left to the partitioner (which may all-reduce and slice)."""
     ndim = acc.ndim - 1
     rest = [_axes_of(e) for e in tuple(partial.spec)[1:]] + [()] * (ndim - len(partial.spec) + 1)
     want = [_axes_of(e) for e in tuple(target.spec)] + [()] * (ndim - len(target.spec))
     grown = [k for k in range(ndim) if want[k] != rest[k]]
     scatter: int | None = None
-    if len(grown) == 1 and want[grown[0]] == rest[grown[0]] + split.axes:
-        scatter = grown[0]
-    elif grown:
+    if len(grown) == 1:
+        d = grown[0]
+        lead = rest[d] + split.axes
+        if want[d][: len(lead)] == lead:
+            scatter = d
+    if grown and scatter is None:
         return jnp.sum(acc, axis=0)
     names = split.axes if len(split.axes) > 1 else split.axes[0]
+    out_spec = list(target.spec) + [None] * (ndim - len(target.spec))
+    if scatter is not None:
+        lead = rest[scatter] + split.axes
+        out_spec[scatter] = lead if len(lead) > 1 else lead[0]
 
     def local(x: Any) -> Any:
         x = x[0]
@@ -588,9 +629,14 @@ def _reduce_groups(
             return jax.lax.psum(x, names)
         return jax.lax.psum_scatter(x, names, scatter_dimension=scatter, tiled=True)
 
-    return jax.shard_map(
-        local, mesh=partial.mesh, in_specs=partial.spec, out_specs=target.spec, check_vma=False
+    out = jax.shard_map(
+        local,
+        mesh=partial.mesh,
+        in_specs=partial.spec,
+        out_specs=PartitionSpec(*out_spec),
+        check_vma=False,
     )(acc)
+    return jax.lax.with_sharding_constraint(out, target)
 
 
 def _sync_stage(
@@ -599,7 +645,7 @@ def _sync_stage(
     accs: tuple[str, ...],
     loss_in: dict[Any, int],
     owner: dict[int, int],
-    sts: Sequence[_Stage],
+    grad_layout: dict[int, NamedSharding],
     stream: list[Instruction],
     accumulate: Callable[[str, str, int], Accumulate],
     layout_key: Callable[[NamedSharding, int], str],
@@ -618,8 +664,7 @@ def _sync_stage(
         j, d = loss_in[p], names[p]
         o = owner[j]
         if o != s:
-            lay = sts[o].in_sharding[_var_of(sts[o], loss_in, j)]
-            stream.append(Put(d, f"{d}@{o}", o, layout_key(lay, o)))
+            stream.append(Put(d, f"{d}@{o}", o, layout_key(grad_layout[j], o)))
             stream.append(Free((d,), s))
             d = f"{d}@{o}"
         stream.append(accumulate(d, f"grad{j}", o))
