@@ -46,6 +46,10 @@ ROWS = (
     "megatron-1t",
 )
 ILP_TIME_LIMIT = 20.0
+#: How gradients are synchronised in the runtime the rows are priced for. Rows measured before
+#: the once-per-step sync lack the field; their figures stay in ``BEFORE`` for one release.
+GRAD_SYNC = "per-step"
+BEFORE = "megatron-before-grad-sync.json"
 
 
 def _micro_batch_counts(batch: int, dp: int) -> list[int]:
@@ -214,13 +218,16 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         "ran these models. Ours: the stage DP with "
         "`refine=True`, logical meshes `model_parallel_in_host` (every (dp, tp) with tp "
         "inside a host) and `memory_lean=True`, over the same counts. Our (dp, tp) is the "
-        "most common stage mesh.",
+        "most common stage mesh. *Sync*: whether the row is priced with gradients reduced once "
+        "per step (this runtime since issue 20) or once per micro-batch (before: not re-run "
+        "yet); *before* gives the per-micro-batch figures of the same row.",
         "",
-        "| model | GPUs | activations | Megatron dp/tp/pp | Megatron s | ours dp/tp/pp | "
-        "ours s | ours / Megatron | our planning s |",
-        "|---|---:|---|---|---:|---|---:|---:|---:|",
+        "| model | GPUs | activations | sync | Megatron dp/tp/pp | Megatron s | ours dp/tp/pp | "
+        "ours s | ours / Megatron | our planning s | before: Megatron s, ours (dp/tp/pp) s |",
+        "|---|---:|---|---|---|---:|---|---:|---:|---:|---|",
     ]
     notes = []
+    before = _before_rows()
     for r in results:
         p, o = r["published"], r["our_choice"]
         mine = "–" if o is None else f"{o['dp']}/{o['tp']}/{o['pp']} (B{o['B']})"
@@ -230,16 +237,30 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         activations = "recomputed" if r.get("recomputed") else "stored"
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
         ratio = f"{r['ours'] / r['theirs']:.3f}" if both else "–"
+        sync = "per step" if r.get("grad_sync") == GRAD_SYNC else "per micro-batch"
+        old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
+        old_text = "–" if old is None else _before_text(old)
         lines.append(
-            f"| {r['model']} | {r['gpus']} | {activations} | {theirs} | {_seconds(r['theirs'])} "
-            f"| {mine} | "
-            f"{_seconds(r['ours'])} | {ratio} | {r['planning_s']:.0f} |"
+            f"| {r['model']} | {r['gpus']} | {activations} | {sync} | {theirs} "
+            f"| {_seconds(r['theirs'])} | {mine} | "
+            f"{_seconds(r['ours'])} | {ratio} | {r['planning_s']:.0f} | {old_text} |"
         )
         if not math.isfinite(r["theirs"]):
             notes.append(f"- {r['model']}, Megatron: " + "; ".join(r["their_reasons"])[:300])
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
     return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
+
+
+def _before_rows() -> dict[str, dict[str, Any]]:
+    path = RESULTS / BEFORE
+    return {r["model"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+
+
+def _before_text(r: dict[str, Any]) -> str:
+    o = r["our_choice"]
+    mine = "–" if o is None else f"{o['dp']}/{o['tp']}/{o['pp']} (B{o['B']})"
+    return f"{_seconds(r['theirs'])}, {mine} {_seconds(r['ours'])}"
 
 
 def _seconds(value: float) -> str:
@@ -267,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
-        results.append({**_child(name, opts.time_limit), "date": datetime.date.today().isoformat()})
+        measured = _child(name, opts.time_limit)
+        today = datetime.date.today().isoformat()
+        results.append({**measured, "date": today, "grad_sync": GRAD_SYNC})
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"

@@ -52,8 +52,9 @@ from alpa_mini.models import (  # noqa: E402
 from ._report import update_section  # noqa: E402
 
 
-def _mlp(width: int = 1024, layers: int = 6, batch: int = 16):
-    """The issue's parameter-heavy, compute-light MLP: six 1024x1024 layers, batch 16."""
+def _mlp(width: int = 1024, layers: int = 6, batch: int = 64):
+    """A parameter-heavy, compute-light MLP: six 1024x1024 layers, batch 64 (8 rows per
+    device at B = 1, one per device at B = 8)."""
 
     def loss(params, b):
         x = b["x"]
@@ -175,7 +176,8 @@ def _profiled_peak(step: Any, p: Any, s: Any, data: Any) -> float:
     def sampled(ins: Any, buffers: dict[str, Any]) -> None:
         nonlocal peak
         original(ins, buffers)
-        jax.block_until_ready([b for b in buffers.values() if isinstance(b, jax.Array)])
+        live = [b for b in buffers.values() if isinstance(b, jax.Array) and not b.is_deleted()]
+        jax.block_until_ready(live)
         peak = max(peak, sum(a.nbytes for a in jax.live_arrays()))
 
     runtime.execute_one = sampled
@@ -232,8 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true")
     opts = parser.parse_args(argv)
     alpa_mini.init(cluster="cpu-1x8")
-    parity = [parity_row(m, B, opts.steps) for m in MODELS for B in (1, 8)]
-    donation = [donation_row(False), donation_row(True)]
+    parity, donation = [], []
+    for m in MODELS:
+        for B in (1, 8):
+            parity.append(parity_row(m, B, opts.steps))
+            print("ROW", parity[-1], flush=True)
+    for donate in (False, True):
+        donation.append(donation_row(donate))
+        print("ROW", donation[-1], flush=True)
     text = _table(parity, donation, f"python -m benchmarks.runtime_parity --steps {opts.steps}")
     print(text)
     if not opts.no_write:

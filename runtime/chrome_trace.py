@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .instructions import Accumulate, Free, Gather, Put, Recv, Run, Send
+from .instructions import Accumulate, Free, Put, Recv, Run, Send
 
 if TYPE_CHECKING:
     from .local import InstructionTiming
@@ -130,7 +130,7 @@ _MICRO_BATCH = re.compile(r"\.mb(\d+)(?:@|$)")
 def _buffers(ins: Any) -> list[str]:
     if isinstance(ins, Run):
         return [*ins.inputs, *ins.outputs]
-    if isinstance(ins, Put | Accumulate | Gather):
+    if isinstance(ins, Put | Accumulate):
         return [ins.src, ins.dst]
     if isinstance(ins, Send):
         return [ins.src]
@@ -161,7 +161,7 @@ def _describe(ins: Any) -> tuple[str, str]:
             return "update", category
         return ins.program, category
     kind = type(ins).__name__.lower()
-    if isinstance(ins, Put | Send | Recv | Gather):
+    if isinstance(ins, Put | Send | Recv):
         return kind, "transfer"
     return kind, kind  # "accumulate", "free"
 

@@ -11,8 +11,8 @@ devices). The stream is fixed per executable and replayed every step, in order:
 - ``Free``: drop buffers no later instruction reads.
 - ``Send``/``Recv`` (Ray runtime only): a buffer crossing from one host worker to another
   through Ray's object store; the ``Put`` that follows lays it out on the receiving mesh.
-- ``Gather`` (Ray runtime only): every host of a mesh that spans hosts makes a whole local
-  copy of a buffer sharded over that mesh (one collective), before it leaves the mesh.
+  Where either side spans hosts, each sender sends only the shards it holds that the
+  receiving host's devices need (``Send.layout``), and the receiver assembles them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 __all__ = [
     "Accumulate",
     "Free",
-    "Gather",
     "Instruction",
     "Put",
     "Recv",
@@ -65,12 +64,15 @@ class Free:
 
 @dataclass(frozen=True)
 class Send:
-    """Ray runtime: hand buffer ``src`` to host worker ``to`` under ``tag``."""
+    """Ray runtime: hand buffer ``src`` to host worker ``to`` under ``tag``: whole, or with
+    ``layout`` (the destination's layout key) only the shards held here that ``to``'s
+    devices need under it, each piece sent by its first holder."""
 
     src: str
     to: int
     tag: str
     mesh: int
+    layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,7 @@ class Recv:
     mesh: int
 
 
-@dataclass(frozen=True)
-class Gather:
-    """Ray runtime: a whole copy ``dst`` on this host of ``src``, sharded over hosts."""
-
-    src: str
-    dst: str
-    mesh: int
-
-
-Instruction = Put | Run | Accumulate | Free | Send | Recv | Gather
+Instruction = Put | Run | Accumulate | Free | Send | Recv
 
 
 def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
@@ -110,11 +103,10 @@ def format_stream(stream: list[Instruction], limit: int | None = None) -> str:
             op = "=" if ins.first else "+="
             lines.append(f"mesh{ins.mesh}  ACC   {ins.dst} {op} {ins.src}")
         elif isinstance(ins, Send):
-            lines.append(f"mesh{ins.mesh}  SEND  {ins.src} -> host{ins.to} [{ins.tag}]")
+            part = " (its shards)" if ins.layout is not None else ""
+            lines.append(f"mesh{ins.mesh}  SEND  {ins.src}{part} -> host{ins.to} [{ins.tag}]")
         elif isinstance(ins, Recv):
             lines.append(f"mesh{ins.mesh}  RECV  host{ins.frm} [{ins.tag}] -> {ins.dst}")
-        elif isinstance(ins, Gather):
-            lines.append(f"mesh{ins.mesh}  GATH  {ins.src} -> {ins.dst}")
         else:
             lines.append(f"mesh{ins.mesh}  FREE  {', '.join(ins.names)}")
     if limit is not None and len(stream) > limit:

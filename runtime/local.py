@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from .instructions import Accumulate, Free, Gather, Instruction, Put, Run
+from .instructions import Accumulate, Free, Instruction, Put, Run
 
 __all__ = ["CPU_IN_FLIGHT", "InstructionTiming", "LocalRuntime", "is_deleted"]
 
@@ -109,7 +109,7 @@ class LocalRuntime:
         """The buffers ``ins`` writes."""
         if isinstance(ins, Run):
             return ins.outputs
-        if isinstance(ins, Put | Accumulate | Gather):
+        if isinstance(ins, Put | Accumulate):
             return (ins.dst,)
         return ()
 

@@ -33,7 +33,7 @@ from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
-from ..runtime.instructions import Free, Gather, Instruction, Put, Recv, Run, Send
+from ..runtime.instructions import Free, Instruction, Put, Recv, Run, Send
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..runtime.ray_worker import Resident
 from ..session.ray import RaySession
@@ -89,9 +89,8 @@ def split_stream(
     arg_names: Sequence[str],
 ) -> HostStreams:
     """Each host's part of ``stream``: every instruction goes to all hosts of its mesh;
-    a ``Put`` from another host becomes ``Send`` there and ``Recv`` + ``Put`` here, and a
-    buffer sharded over several hosts is first gathered whole on each of them (``Gather``,
-    one collective of its mesh).
+    a ``Put`` from another host becomes ``Send`` there and ``Recv`` + ``Put`` here; where
+    either mesh spans hosts, the shards travel instead, each to the hosts that need it.
 
     Order is what makes it deadlock-free: every host keeps the global order, so a ``Recv``
     waits only for a ``Send``, and a collective only for peers' instructions, that come
@@ -143,26 +142,31 @@ def _transfer(
     hosts: tuple[int, ...],
     streams: dict[int, list[Instruction]],
 ) -> None:
-    """``put`` across meshes of different hosts: every host of the destination gets a whole
-    copy (its own, or one sent by a holder), which its ``Put`` then lays out."""
-    copy = put.src
-    if len(holders) > 1:  # sharded over several hosts: each of them gathers it whole
-        copy = f"{put.src}@whole"
-        for h in holders:
-            streams[h].append(Gather(put.src, copy, src_mesh))
-    for i, h in enumerate(hosts):
-        if h in holders:
-            streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
-            continue
-        frm = holders[i % len(holders)]  # spread the sends over the holders
-        tag = f"{put.src}->{put.dst}"
+    """``put`` across meshes of different hosts. From one host to one other: a whole copy,
+    which the receiver's ``Put`` lays out. Where either mesh spans hosts: every holder sends
+    each receiving host the shards it holds that the host's devices need under the
+    destination layout (a holder to itself too), and the receiver assembles them."""
+    if len(holders) == 1 and len(hosts) == 1:
+        (frm,), (h,) = holders, hosts
+        copy, tag = put.src, f"{put.src}->{put.dst}"
         streams[frm].append(Send(copy, h, tag, src_mesh))
         streams[h].append(Recv(tag, frm, copy, put.mesh))
         streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
-        streams[h].append(Free((copy,), put.mesh))  # the received copy
-    if copy != put.src:
-        for h in holders:
-            streams[h].append(Free((copy,), src_mesh))
+        streams[h].append(Free((copy,), put.mesh))
+        return
+    # Every send before any receive: the receivers' Put is one collective over their mesh,
+    # which a host must not enter while a peer still waits for its pieces.
+    copy = f"{put.src}@pieces"
+    for h in hosts:
+        for frm in holders:
+            streams[frm].append(
+                Send(put.src, h, f"{put.src}->{put.dst}#{frm}", src_mesh, put.layout)
+            )
+    for h in hosts:
+        for frm in holders:
+            streams[h].append(Recv(f"{put.src}->{put.dst}#{frm}", frm, copy, put.mesh))
+        streams[h].append(Put(copy, put.dst, put.mesh, put.layout))
+        streams[h].append(Free((copy,), put.mesh))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import alpa_mini
 from alpa_mini import ClusterSpec, ConfigError, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
 from alpa_mini.pipeline.ray_driver import split_stream, stage_hosts
-from alpa_mini.runtime.instructions import Accumulate, Free, Gather, Put, Recv, Run, Send
+from alpa_mini.runtime.instructions import Accumulate, Free, Put, Recv, Run, Send
 
 GPT = GPTConfig(
     vocab_size=64, seq_len=16, hidden=32, num_heads=4, num_layers=4, pipeline_marks=True
@@ -51,7 +51,7 @@ def _simulate(split, stage_host, out_names):
     def reads(ins):
         if isinstance(ins, Run):
             return ins.inputs
-        if isinstance(ins, Put | Send | Gather):
+        if isinstance(ins, Put | Send):
             return (ins.src,)
         if isinstance(ins, Accumulate):
             return (ins.src,) if ins.first else (ins.src, ins.dst)
@@ -61,7 +61,7 @@ def _simulate(split, stage_host, out_names):
         if isinstance(ins, Recv):
             return (ins.tag, h) in sent
         members = stage_host[ins.mesh]
-        if len(members) > 1 and isinstance(ins, Run | Put | Accumulate | Gather):
+        if len(members) > 1 and isinstance(ins, Run | Put | Accumulate):
             return all(pos[m] < len(streams[m]) and streams[m][pos[m]] == ins for m in members)
         return True
 
@@ -74,7 +74,7 @@ def _simulate(split, stage_host, out_names):
             held[h].add(ins.dst)
         elif isinstance(ins, Run):
             held[h].update(ins.outputs)
-        elif isinstance(ins, Put | Accumulate | Gather):
+        elif isinstance(ins, Put | Accumulate):
             held[h].add(ins.dst)
         elif isinstance(ins, Free):
             held[h].difference_update(ins.names)
@@ -88,7 +88,7 @@ def _simulate(split, stage_host, out_names):
             if not ready(h, ins):
                 continue
             members = stage_host[ins.mesh]
-            lockstep = len(members) > 1 and isinstance(ins, Run | Put | Accumulate | Gather)
+            lockstep = len(members) > 1 and isinstance(ins, Run | Put | Accumulate)
             for m in members if lockstep else (h,):
                 apply(m, ins)
                 pos[m] += 1
@@ -115,20 +115,25 @@ def test_split_streams_run_to_completion_with_every_read_satisfied(compiled, sta
     split = split_stream(compiled.stream, stage_host, compiled.arg_names)
     _simulate(split, stage_host, compiled.out_names)
     spanning = {m for m, hs in enumerate(stage_host) if len(hs) > 1}
-    gathers = [ins for s in split.streams.values() for ins in s if isinstance(ins, Gather)]
-    # A buffer leaves a spanning mesh only after a whole copy is gathered on each of its
-    # hosts, and nothing is gathered that stays on its mesh.
-    assert all(g.mesh in spanning for g in gathers)
-    leaving = [
+    # A buffer crossing to or from a spanning mesh travels as shards: every holder sends
+    # each receiving host its part (under the destination layout); between single hosts a
+    # whole copy goes from the one holder to the one receiver.
+    crossing = [
         ins
         for ins in compiled.stream
         if isinstance(ins, Put)
         and ins.src in split.mesh_of
-        and split.mesh_of[ins.src] in spanning
         and split.mesh_of[ins.src] != ins.mesh
+        and not (len(stage_host[ins.mesh]) == 1 and split.where[ins.src] == stage_host[ins.mesh])
     ]
-    assert len(gathers) == sum(len(stage_host[split.mesh_of[p.src]]) for p in leaving)
-    assert (len(gathers) > 0) == any(len(stage_host[m]) > 1 for m in range(3))
+    sends = [ins for st in split.streams.values() for ins in st if isinstance(ins, Send)]
+    expected_piecewise = sum(
+        len(stage_host[split.mesh_of[p.src]]) * len(stage_host[p.mesh])
+        for p in crossing
+        if split.mesh_of[p.src] in spanning or p.mesh in spanning
+    )
+    assert sum(ins.layout is not None for ins in sends) == expected_piecewise
+    assert (expected_piecewise > 0) == bool(spanning)
     # Sends pair one to one with receives, each on its own host.
     sends = sorted(
         (ins.tag, ins.to) for s in split.streams.values() for ins in s if isinstance(ins, Send)
@@ -165,3 +170,28 @@ def _one_wide_stage_plan_json() -> str:
         cluster=ClusterSpec.named("cpu-2x4"),
     )
     return plan.to_json()
+
+
+def test_shards_travel_once_each_and_assemble_into_any_layout():
+    """``pieces_for`` sends each distinct shard once (a shard replicated over an axis goes
+    from one of its holders), and ``place`` builds the destination's shards from them."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from alpa_mini.runtime.ray_worker import Pieces, pieces_for, place
+
+    devices = np.array(jax.devices()[:8])
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    src = jax.device_put(x, NamedSharding(Mesh(devices.reshape(4, 2), ("x", "y")), P("x")))
+    dst = NamedSharding(Mesh(devices[::-1].reshape(2, 4), ("a", "b")), P("b", "a"))
+    pieces = pieces_for(src, dst, to=0)
+    assert len(pieces.parts) == 4  # 8 shards, 4 distinct
+    assert sum(d.nbytes for _, d in pieces.parts) == x.nbytes
+    out = place(pieces, dst)
+    assert out.sharding == dst
+    np.testing.assert_array_equal(np.asarray(out), x)
+    # A part missing is an error that says so, not garbage.
+    partial = Pieces(pieces.shape, pieces.dtype, pieces.parts[:3])
+    with pytest.raises(RuntimeError, match="lacks part of"):
+        place(partial, dst)

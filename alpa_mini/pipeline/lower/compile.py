@@ -336,7 +336,10 @@ def compile_pipeline(
             cts.append(ct)
         acts = [v for v in st.diff_in if v not in loss_in]
         act_out = tuple(f"d{name(v)}.{s}.mb{m}" for v in acts)
-        stream.append(Run(f"bwd{s}", (f"res{s}.mb{m}", *cts, *accs), (*act_out, *accs), s))
+        kept_in = [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v in loss_in]
+        stream.append(
+            Run(f"bwd{s}", (f"res{s}.mb{m}", *kept_in, *cts, *accs), (*act_out, *accs), s)
+        )
         dead = [f"res{s}.mb{m}", *cts]
         dead += [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v not in loss_in]
         dead += [
@@ -451,6 +454,13 @@ def _stage_programs(
             done = e + 1
         run(done, len(eqns), env, partials)
 
+    # Residuals that are the stage's step inputs themselves (parameters, batch slices) are
+    # not returned by the forward: an output may not alias an input, so each would be
+    # copied once per micro-batch. The backward reads those input buffers instead.
+    ins_all = diff_in + nondiff_in
+    kept = [k for k, v in enumerate(ins_all) if v in loss_in]
+    residual_slots: dict[str, Any] = {}  # set when the forward is traced
+
     def fwd(*args: Any) -> tuple[Any, ...]:
         d, nd = args[: len(diff_in)], args[len(diff_in) :]
         groups = gr.split.groups if gr.split is not None else 1  # partials imply a split
@@ -469,13 +479,24 @@ def _stage_programs(
             return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
 
         outs_d, vjp_fn, outs_nd = jax.vjp(f, list(d), zs, has_aux=True)
-        return (*outs_d, *outs_nd, vjp_fn)
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        position = {id(args[k]): j for j, k in enumerate(kept)}
+        slots, res = [], []
+        for leaf in leaves:
+            j = position.get(id(leaf))
+            slots.append(("res", len(res)) if j is None else ("in", j))
+            if j is None:
+                res.append(leaf)
+        residual_slots.update(treedef=treedef, slots=slots)
+        return (*outs_d, *outs_nd, tuple(res))
 
     acts = [v for v in diff_in if v not in loss_in]
-    n_ct = len(diff_out)
+    n_ct, n_kept = len(diff_out), len(kept)
 
-    def bwd(vjp_fn: Any, *rest: Any) -> tuple[Any, ...]:
-        cts, accs = rest[:n_ct], rest[n_ct:]
+    def bwd(res: Any, *rest: Any) -> tuple[Any, ...]:
+        inputs, cts, accs = rest[:n_kept], rest[n_kept : n_kept + n_ct], rest[n_kept + n_ct :]
+        leaves = [res[i] if kind == "res" else inputs[i] for kind, i in residual_slots["slots"]]
+        vjp_fn = jax.tree.unflatten(residual_slots["treedef"], leaves)
         d_list, z_list = vjp_fn(list(cts))
         plain = dict(zip(diff_in, d_list, strict=True))
         partial = dict(zip(partial_params, z_list, strict=True))
@@ -489,10 +510,11 @@ def _stage_programs(
     out_sh = (*(st.out_sharding[v] for v in diff_out + nondiff_out), None)
     bwd_sh = (*(st.in_sharding[v] for v in acts), *gr.shardings)
     fwd_j = jax.jit(fwd, in_shardings=in_sh, out_shardings=out_sh)
-    # The accumulators are not donated: on the CPU client, donating them with many programs
-    # in flight deadlocked an 8-device collective (ZeRO-3 MLP, B = 16). The old buffer is
-    # dropped as soon as the backward has run, so this costs one accumulator set per stage.
-    bwd_j = jax.jit(bwd, out_shardings=bwd_sh)
+    # The accumulators are donated: each backward adds in place. (Before the runtime bounded
+    # the programs in flight on the CPU client, this deadlocked an 8-device collective.)
+    first_acc = 1 + n_kept + n_ct
+    donate = tuple(range(first_acc, first_acc + len(gr.accs)))
+    bwd_j = jax.jit(bwd, out_shardings=bwd_sh, donate_argnums=donate)
     return fwd_j, bwd_j
 
 
