@@ -112,14 +112,24 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
         "planning_s": 3.0,
     }
     text = megatron_markdown([result], "alpa-mini bench megatron", 1.0)
-    row = "| megatron-x | 32 | stored | 32/1/1 (B8) | 10.00 | 4/8/1 (B16) | 8.00 | 0.800 | 3 |"
+    # A row measured before gradients were synchronised once per step says so.
+    row = (
+        "| megatron-x | 32 | stored | per micro-batch | 32/1/1 (B8) | 10.00 | 4/8/1 (B16) "
+        "| 8.00 | 0.800 | 3 | – |"
+    )
     assert row in text
-    text = megatron_markdown([dict(result, recomputed=True)], "alpa-mini bench megatron", 1.0)
-    assert "| megatron-x | 32 | recomputed | 32/1/1 (B8) |" in text
+    text = megatron_markdown(
+        [dict(result, recomputed=True, grad_sync="per-step")], "alpa-mini bench megatron", 1.0
+    )
+    assert "| megatron-x | 32 | recomputed | per step | 32/1/1 (B8) |" in text
+    # A re-run row shows its per-micro-batch figures beside (benchmarks/results snapshot).
+    again = dict(result, model="megatron-1.7b", grad_sync="per-step")
+    text = megatron_markdown([again], "alpa-mini bench megatron", 1.0)
+    assert text.rstrip().endswith("| 8.04, 8/4/1 (B8) 6.74 |"), text
     # A published plan that fits at no micro-batch count: no ratio, and the reason shown.
     unfit = dict(result, theirs=math.inf, their_B=None, their_reasons=["whole: B=8: 90 GiB"])
     text = megatron_markdown([unfit], "alpa-mini bench megatron", 1.0)
-    row = "| megatron-x | 32 | stored | 32/1/1 | no plan fits | 4/8/1 (B16) | 8.00 | – | 3 |"
+    row = "| megatron-x | 32 | stored | per micro-batch | 32/1/1 | no plan fits | 4/8/1 (B16) |"
     assert row in text
     assert "- megatron-x, Megatron: whole: B=8: 90 GiB" in text
 

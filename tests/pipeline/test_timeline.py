@@ -155,7 +155,8 @@ def test_measured_trace_holds_the_runtime_timings(mlp, tmp_path):
     assert len(runs) == 2 * 2 * 4
     for x in runs:
         program = x["args"]["program"]
-        assert program == f"{x['cat']}{x['tid']}"
+        # (a stage's first backward, bwd{s}.0, starts its gradient accumulators)
+        assert program.split(".")[0] == f"{x['cat']}{x['tid']}"
         assert x["name"] == f"{'F' if x['cat'] == 'fwd' else 'B'}{x['args']['micro_batch']}"
     assert [x["tid"] for x in xs if x["cat"] == "update"] == [0, 1]  # one apply per stage
 

@@ -239,9 +239,8 @@ def compile_pipeline(
         grad_layout[j] = zero_layout(o, lay, v.aval.shape) if shard_state else lay
     for st, gr in zip(sts, grads, strict=True):
         s = st.index
-        programs[f"fwd{s}"], programs[f"bwd{s}"] = _stage_programs(st, consts, gr, loss_in)
-        if gr.accs:
-            programs[f"zeros{s}"] = _acc_zeros(gr)
+        fwd, bwd, bwd_first = _stage_programs(st, consts, gr, loss_in)
+        programs[f"fwd{s}"], programs[f"bwd{s}"], programs[f"bwd{s}.0"] = fwd, bwd, bwd_first
         if gr.needs_sync:
             targets = tuple(
                 grad_layout[loss_in[p]] if owner[loss_in[p]] == s else st.in_sharding[p]
@@ -322,8 +321,7 @@ def compile_pipeline(
             continue
         gr = grads[s]
         accs = tuple(f"acc{s}.{i}" for i in range(len(gr.accs)))
-        if m == first_bwd[s] and accs:
-            stream.append(Run(f"zeros{s}", (), accs, s))
+        first = m == first_bwd[s]
         cts = []
         for v in st.diff_out:
             ct = f"ct{name(v)}.mb{m}@{s}"
@@ -337,8 +335,9 @@ def compile_pipeline(
         acts = [v for v in st.diff_in if v not in loss_in]
         act_out = tuple(f"d{name(v)}.{s}.mb{m}" for v in acts)
         kept_in = [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v in loss_in]
+        program, acc_in = (f"bwd{s}.0", ()) if first else (f"bwd{s}", accs)
         stream.append(
-            Run(f"bwd{s}", (f"res{s}.mb{m}", *kept_in, *cts, *accs), (*act_out, *accs), s)
+            Run(program, (f"res{s}.mb{m}", *kept_in, *cts, *acc_in), (*act_out, *accs), s)
         )
         dead = [f"res{s}.mb{m}", *cts]
         dead += [in_buffer(st, v, m) for v in st.diff_in + st.nondiff_in if v not in loss_in]
@@ -426,9 +425,10 @@ def _var_of(st: _Stage, loss_in: dict[Any, int], j: int) -> Any:
 
 def _stage_programs(
     st: _Stage, consts: dict[Any, Any], gr: _StageGrads, loss_in: dict[Any, int]
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``fwd{s}`` (outputs and the vjp closure) and ``bwd{s}`` (activation cotangents, and
-    the stage's gradient accumulators with this micro-batch added)."""
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``fwd{s}`` (outputs and the residuals), ``bwd{s}`` (activation cotangents, and the
+    stage's gradient accumulators with this micro-batch added) and ``bwd{s}.0``, the
+    stage's first backward, which starts the accumulators."""
     diff_in, nondiff_in = list(st.diff_in), list(st.nondiff_in)
     diff_out, nondiff_out = list(st.diff_out), list(st.nondiff_out)
     eqns = st.sl.eqns
@@ -494,16 +494,17 @@ def _stage_programs(
     n_ct, n_kept = len(diff_out), len(kept)
 
     def bwd(res: Any, *rest: Any) -> tuple[Any, ...]:
+        """Activation cotangents, and the accumulators with this micro-batch added (the
+        stage's first backward gets none and starts them)."""
         inputs, cts, accs = rest[:n_kept], rest[n_kept : n_kept + n_ct], rest[n_kept + n_ct :]
         leaves = [res[i] if kind == "res" else inputs[i] for kind, i in residual_slots["slots"]]
         vjp_fn = jax.tree.unflatten(residual_slots["treedef"], leaves)
         d_list, z_list = vjp_fn(list(cts))
         plain = dict(zip(diff_in, d_list, strict=True))
         partial = dict(zip(partial_params, z_list, strict=True))
-        new = [
-            acc + (partial[p] if is_partial else plain[p])
-            for acc, (p, is_partial) in zip(accs, gr.accs, strict=True)
-        ]
+        new = [partial[p] if is_partial else plain[p] for p, is_partial in gr.accs]
+        if accs:
+            new = [acc + g for acc, g in zip(accs, new, strict=True)]
         return (*(plain[v] for v in acts), *new)
 
     in_sh = tuple(st.in_sharding[v] for v in diff_in + nondiff_in)
@@ -515,7 +516,7 @@ def _stage_programs(
     first_acc = 1 + n_kept + n_ct
     donate = tuple(range(first_acc, first_acc + len(gr.accs)))
     bwd_j = jax.jit(bwd, out_shardings=bwd_sh, donate_argnums=donate)
-    return fwd_j, bwd_j
+    return fwd_j, bwd_j, jax.jit(bwd, out_shardings=bwd_sh)
 
 
 @dataclass(frozen=True)
@@ -582,20 +583,6 @@ def _stage_grads(
         for p, partial in accs
     )
     return _StageGrads(params, accs, shardings, split, plan)
-
-
-def _acc_shape(p: Any, partial: bool, gr: _StageGrads) -> tuple[int, ...]:
-    groups = gr.split.groups if partial and gr.split is not None else None
-    return (groups, *p.aval.shape) if groups else tuple(p.aval.shape)
-
-
-def _acc_zeros(gr: _StageGrads) -> Callable[..., Any]:
-    """``zeros{s}``: the stage's accumulators before its first backward."""
-    specs = [(_acc_shape(p, partial, gr), p.aval.dtype) for p, partial in gr.accs]
-    return jax.jit(
-        lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
-        out_shardings=gr.shardings,
-    )
 
 
 def _sync_program(gr: _StageGrads, targets: tuple[NamedSharding, ...]) -> Callable[..., Any]:
