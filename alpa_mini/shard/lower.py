@@ -142,6 +142,8 @@ class _Interpreter:
     def scan(
         self, eqn: Any, invals: list[Any], path: tuple[int, ...], here: tuple[int, ...]
     ) -> list[Any]:
+        """The scan re-emitted over the re-interpreted body; an accumulating carry holds
+        per-group partials (``deferred.py``), reduced after the loop."""
         p = eqn.params
         body: ClosedJaxpr = p["jaxpr"]
         n_consts, n_carry = p["num_consts"], p["num_carry"]
@@ -196,6 +198,19 @@ class _Interpreter:
         carry, ys = jax.lax.scan(
             step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
         )
+        return self.scan_results(eqn, path, carry, ys, groups, stacked)
+
+    def scan_results(
+        self,
+        eqn: Any,
+        path: tuple[int, ...],
+        carry: list[Any],
+        ys: list[Any],
+        groups: dict[int, tuple[str, ...]],
+        stacked: dict[int, tuple[str, ...]],
+    ) -> list[Any]:
+        """A scan's results in their planned layouts, or still partial where the enclosing
+        loop accumulates them (a stacked partial ``(L, D, ...)`` becomes ``(D, L, ...)``)."""
         outs: list[Any] = [
             Grouped(x, groups[c]) if c in groups else x for c, x in enumerate(carry)
         ] + [
