@@ -80,6 +80,7 @@ def test_zero3_reduce_scatters_each_gradient_once_per_step():
         assert c["sync0"].per_step() == {"reduce-scatter": (4, 4 * 64 * 64 * 4)}, str(c)
 
 
+@pytest.mark.slow
 def test_zero2_reduce_scatters_each_gradient_once_and_keeps_state_sharded():
     """ZeRO-2: parameters replicated, gradients reduce-scattered once per step into the
     optimiser state's layout (sharded over the stage's 8 devices), the update computed on
@@ -151,6 +152,7 @@ def _scanned_mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["remat", "scan"])
 def test_params_inside_remat_blocks_and_scans_are_reduced_once_per_step(kind):
     """Weights used only inside ``checkpoint`` bodies or a ``scan`` (stacked slices and a

@@ -60,7 +60,14 @@ def _run(loss, params, batch, method, steps: int = 2):
     return parse_collectives(step.get_executable(params, opt.init(params), batch).get_hlo_text())
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("mlp", "data"), ("mlp", "zero3"), ("scan", "data")])
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [
+        ("mlp", "data"),
+        pytest.param("mlp", "zero3", marks=pytest.mark.slow),
+        pytest.param("scan", "data", marks=pytest.mark.slow),
+    ],
+)
 def test_gradients_are_reduced_after_the_micro_batch_loop(kind, layout):
     loss, params, batch = _args(kind)
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
