@@ -26,7 +26,8 @@ from alpa_mini.models import make_train_step, sgd  # noqa: E402
 from ._report import update_section  # noqa: E402
 
 
-def _mlp(width: int, layers: int, batch: int):
+def marked_mlp(width: int, layers: int, batch: int, scale: float = 0.05):
+    """(loss, params, batch) of a tanh MLP with a pipeline boundary after every layer."""
     import jax.numpy as jnp
 
     def loss(params, b):
@@ -38,7 +39,7 @@ def _mlp(width: int, layers: int, batch: int):
         return jnp.mean((x - b["y"]) ** 2)
 
     k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
-    params = [jax.random.normal(k[i], (width, width)) * 0.05 for i in range(layers)]
+    params = [jax.random.normal(k[i], (width, width)) * scale for i in range(layers)]
     data = {
         "x": jax.random.normal(k[-2], (batch, width)),
         "y": jax.random.normal(k[-1], (batch, width)),
@@ -48,7 +49,7 @@ def _mlp(width: int, layers: int, batch: int):
 
 def main() -> None:
     alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    loss, params, data = _mlp(256, 4, 128)
+    loss, params, data = marked_mlp(256, 4, 128)
     opt = sgd(0.1)
     rows = []
     for stages, layout in ((1, "data"), (1, "zero2"), (1, "zero3"), (2, "data")):

@@ -50,27 +50,13 @@ from alpa_mini.models import (  # noqa: E402
 )
 
 from ._report import update_section  # noqa: E402
+from .grad_sync import marked_mlp  # noqa: E402
 
 
 def _mlp(width: int = 1024, layers: int = 6, batch: int = 64):
     """A parameter-heavy, compute-light MLP: six 1024x1024 layers, batch 64 (8 rows per
     device at B = 1, one per device at B = 8)."""
-
-    def loss(params, b):
-        x = b["x"]
-        for i, w in enumerate(params):
-            x = jnp.tanh(x @ w)
-            if i < len(params) - 1:
-                alpa_mini.mark_pipeline_boundary()
-        return jnp.mean((x - b["y"]) ** 2)
-
-    k = jax.random.split(jax.random.PRNGKey(0), layers + 2)
-    params = [jax.random.normal(k[i], (width, width)) * 0.03 for i in range(layers)]
-    data = {
-        "x": jax.random.normal(k[-2], (batch, width)),
-        "y": jax.random.normal(k[-1], (batch, width)),
-    }
-    return loss, params, data
+    return marked_mlp(width, layers, batch, scale=0.03)
 
 
 def _gpt():
