@@ -60,3 +60,24 @@ def marked_mlp_args(
     params = [jax.random.normal(k[i], (width, width)) * scale for i in range(layers)]
     y = jnp.zeros((batch, width)) if zero_y else jax.random.normal(k[-1], (batch, width))
     return params, {"x": jax.random.normal(k[-2], (batch, width)), "y": y}
+
+
+def train_beside_serial(loss, params, batch, method, steps: int = 2):
+    """``steps`` SGD steps of ``loss`` under ``method`` and under plain ``jax.jit``: losses
+    and the final parameters equal to 1e-6. Returns the parallel executable."""
+    import alpa_mini
+    from alpa_mini.models import make_train_step, sgd
+
+    opt = sgd(0.1)
+    step = alpa_mini.parallelize(
+        make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
+    )
+    serial = jax.jit(make_train_step(loss, opt))
+    got = want = (params, opt.init(params))
+    for _ in range(steps):
+        *got, l_got = step(*got, batch)
+        *want, l_want = serial(*want, batch)
+        np.testing.assert_allclose(float(l_got), float(l_want), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    return step.get_executable(params, opt.init(params), batch)

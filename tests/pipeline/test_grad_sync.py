@@ -19,29 +19,17 @@ from alpa_mini import (
     ShardParallel,
     UniformStageOption,
 )
-from alpa_mini.models import GPTConfig, gpt_loss, init_gpt, make_gpt_batch, make_train_step, sgd
-from helpers.mlp import marked_mlp_args, marked_mlp_loss
+from alpa_mini.models import GPTConfig, gpt_loss, init_gpt, make_gpt_batch, make_train_step
+from helpers.mlp import marked_mlp_args, marked_mlp_loss, train_beside_serial
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
 def _train(loss, params, data, method, steps: int = 2):
-    """SGD steps beside serial JAX (to 1e-6); the executable."""
+    """SGD steps beside serial JAX (to 1e-6) on a fresh 8-device session; the executable."""
     alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    opt = sgd(0.1)
-    pstep = alpa_mini.parallelize(
-        make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
-    )
-    serial = jax.jit(make_train_step(loss, opt))
-    got = want = (params, opt.init(params))
-    for _ in range(steps):
-        *got, l_got = pstep(*got, data)
-        *want, l_want = serial(*want, data)
-        np.testing.assert_allclose(float(l_got), float(l_want), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    return pstep.get_executable(params, opt.init(params), data)
+    return train_beside_serial(loss, params, data, method, steps)
 
 
 def _method(B: int, stages: int = 1, layout: str = "data") -> PipeshardParallel:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import alpa_mini
 from alpa_mini import ShardParallel
 from alpa_mini.inspect.hlo_collectives import parse_collectives
-from alpa_mini.models import make_train_step, sgd
-from helpers.mlp import marked_mlp_args
+from helpers.mlp import marked_mlp_args, train_beside_serial
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
@@ -44,20 +42,9 @@ def _args(kind: str):
     return _scanned_loss, (jnp.stack(ws), ws[0] * 0.5), batch
 
 
-def _run(loss, params, batch, method, steps: int = 2):
-    opt = sgd(0.1)
-    step = alpa_mini.parallelize(
-        make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
-    )
-    serial = jax.jit(make_train_step(loss, opt))
-    got = want = (params, opt.init(params))
-    for _ in range(steps):
-        *got, l_got = step(*got, batch)
-        *want, l_want = serial(*want, batch)
-        np.testing.assert_allclose(float(l_got), float(l_want), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    return parse_collectives(step.get_executable(params, opt.init(params), batch).get_hlo_text())
+def _run(loss, params, batch, method):
+    ex = train_beside_serial(loss, params, batch, method)
+    return parse_collectives(ex.get_hlo_text())
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def state_sharding(
     data-parallel axes ``first`` major among them so that a reduce-scatter over those axes
     lands in place. The parameter's own layout when no dimension fits."""
     spec = list(param.spec) + [None] * (len(shape) - len(param.spec))
-    used = {a for e in spec for a in _axes(e)}
+    used = {a for e in spec for a in entry_axes(e)}
     names = param.mesh.axis_names
     unused = [a for a in first if a not in used] + [
         a for a in names if a not in used and a not in first
@@ -42,16 +42,17 @@ def state_sharding(
         extra *= param.mesh.shape[a]
     for d, size in enumerate(shape):
         have = 1
-        for a in _axes(spec[d]):
+        for a in entry_axes(spec[d]):
             have *= param.mesh.shape[a]
         if size % (have * extra) == 0:
-            axes = (*_axes(spec[d]), *unused)
+            axes = (*entry_axes(spec[d]), *unused)
             spec[d] = axes if len(axes) > 1 else axes[0]
             return NamedSharding(param.mesh, PartitionSpec(*spec))
     return param
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (None, a name or a tuple of names)."""
     return tuple(entry) if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 

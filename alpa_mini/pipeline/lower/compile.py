@@ -34,7 +34,7 @@ from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from ...shard.spec import ShardingSpec
 from ..schedules import Schedule
 from ..stage_slice import StageSlice, slice_stage
-from .apply_grad import apply_updates, donate_inputs, state_sharding
+from .apply_grad import apply_updates, donate_inputs, entry_axes, state_sharding
 from .partials import GroupSplit, PartialsPlan, eval_with_partials, partial_sharding, plan_partials
 
 __all__ = ["CompiledPipeline", "StageLowering", "compile_pipeline", "grad_equation"]
@@ -603,10 +603,6 @@ def _sync_program(gr: _StageGrads, targets: tuple[NamedSharding, ...]) -> Callab
     return jax.jit(sync, out_shardings=targets)
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
-
-
 def _reduce_groups(
     acc: Any, partial: NamedSharding, target: NamedSharding, split: GroupSplit
 ) -> Any:
@@ -615,8 +611,8 @@ def _reduce_groups(
     of ``target`` adds them (then possibly more axes, a local slice) after its own;
     otherwise left to the partitioner (which may all-reduce and slice)."""
     ndim = acc.ndim - 1
-    rest = [_axes_of(e) for e in tuple(partial.spec)[1:]] + [()] * (ndim - len(partial.spec) + 1)
-    want = [_axes_of(e) for e in tuple(target.spec)] + [()] * (ndim - len(target.spec))
+    rest = [entry_axes(e) for e in tuple(partial.spec)[1:]] + [()] * (ndim - len(partial.spec) + 1)
+    want = [entry_axes(e) for e in tuple(target.spec)] + [()] * (ndim - len(target.spec))
     grown = [k for k in range(ndim) if want[k] != rest[k]]
     scatter: int | None = None
     if len(grown) == 1:
