@@ -151,6 +151,8 @@ def _describe(ins: Any) -> tuple[str, str]:
     """(name, category) of one instruction; forward and backward runs are named like the
     simulator's tasks ("F3", "B3") and an optimiser run "update", so traces compare."""
     if isinstance(ins, Run):
+        if "+" in ins.program or "*" in ins.program:  # fused: fwd1+bwd1, fwd0*2
+            return ins.program, "fused"
         match = _PROGRAM.match(ins.program)
         kind = match.group(1) if match else ""
         category = _PROGRAM_CATEGORY.get(kind, "other")

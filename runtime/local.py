@@ -62,7 +62,8 @@ class LocalRuntime:
             if self.max_in_flight and isinstance(ins, Run) and timeline is None:
                 in_flight.append([buffers[n] for n in ins.outputs])
                 if len(in_flight) > self.max_in_flight:
-                    jax.block_until_ready([x for x in in_flight.popleft() if not is_deleted(x)])
+                    done = jax.tree.leaves(in_flight.popleft())  # residuals are tuples
+                    jax.block_until_ready([x for x in done if not is_deleted(x)])
             if timeline is not None:
                 jax.block_until_ready([buffers[n] for n in self.written(ins) if n in buffers])
                 end = time.perf_counter()

@@ -188,8 +188,10 @@ class HostWorker:
                 elif limit and (self._throttle or isinstance(ins, Run)):
                     in_flight.append(written)
                     if len(in_flight) > limit:
-                        # A buffer donated since (an apply program's input) is consumed.
-                        done = [x for x in in_flight.popleft() if not is_deleted(x)]
+                        # A buffer donated since (a later program's input) is consumed;
+                        # residuals are tuples of arrays.
+                        leaves = jax.tree.leaves(in_flight.popleft())
+                        done = [x for x in leaves if not is_deleted(x)]
                         jax.block_until_ready(done)
             if timed:
                 self._timings.append(InstructionTiming(index, ins, start, time.time(), self.host))

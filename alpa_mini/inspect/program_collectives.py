@@ -17,7 +17,7 @@ from .hlo_collectives import KINDS, CollectiveSummary, parse_collectives, summar
 
 __all__ = ["ProgramCollectives", "StepCollectives", "program_role", "step_collectives"]
 
-Role = Literal["forward", "backward", "sync", "apply", "split", "other"]
+Role = Literal["forward", "backward", "sync", "apply", "split", "fused", "other"]
 _ROLES: dict[str, Role] = {
     "fwd": "forward",
     "bwd": "backward",
@@ -28,7 +28,11 @@ _ROLES: dict[str, Role] = {
 
 
 def program_role(program: str) -> tuple[Role, int | None]:
-    """``("backward", 1)`` for ``bwd1``: a program's role and stage, from its name."""
+    """``("backward", 1)`` for ``bwd1``: a program's role and stage, from its name; a fused
+    program (``fwd1+bwd1``, ``lower/fuse.py``) is ``"fused"``, on its first part's stage."""
+    if "+" in program or "*" in program:
+        first = program.split("+")[0].split("*")[0]
+        return "fused", program_role(first)[1]
     m = re.fullmatch(r"([a-z]+)(\d+)(?:\.\d+)?", program)
     if m is None:
         return "other", None

@@ -240,6 +240,10 @@ class PipeshardParallel:
     ILP is solved (fast; the ILP does not see it). "ilp": tied inside the ILP, which then
     also picks layouts that avoid it (better plans where it matters, e.g. tensor against
     data parallelism of wide layers; MIPs up to 10x slower on large stages).
+    fuse_programs: run each stretch of a stage's work between two transfers (under 1F1B the
+    last stage's forward and backward of a micro-batch; a one-stage step whole) as one
+    program, one launch instead of one per task. False keeps a program per forward,
+    backward, sync and apply: per-task timelines (``trace``) and HLO, at a launch each.
     """
 
     num_micro_batches: int = 1
@@ -252,6 +256,7 @@ class PipeshardParallel:
     gradient_sync: GradientSync = "after"
     plan: Any = None  # a PipeshardPlan to replay without planning
     memory_budget: float | None = None
+    fuse_programs: bool = True
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -286,6 +291,11 @@ class PipeshardParallel:
             raise ConfigError(
                 f"PipeshardParallel.stage_option: {self.stage_option!r} is not an "
                 "AutoStageOption, UniformStageOption or ManualStageOption"
+            )
+        if not isinstance(self.fuse_programs, bool):
+            raise ConfigError(
+                f"PipeshardParallel.fuse_programs: {self.fuse_programs!r} is invalid; expected "
+                "True or False"
             )
         check_choice("PipeshardParallel.gradient_sync", self.gradient_sync, get_args(GradientSync))
         if self.memory_budget is not None and not self.memory_budget > 0:

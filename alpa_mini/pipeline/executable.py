@@ -235,6 +235,7 @@ def compile_pipeshard(
         schedule,
         donated,
         method.shards_optimizer_state,
+        method.fuse_programs,
     )
     runtime = LocalRuntime(compiled.programs, compiled.layouts, add_buffers)
     return PipeshardExecutable(

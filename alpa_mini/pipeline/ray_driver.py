@@ -181,6 +181,7 @@ class WorkerBuilder:
     devices_per_host: int
     donated: tuple[int, ...] = ()  # argument leaves the step may consume
     shard_state: bool = False  # optimiser state in ZeRO layouts (PipeshardParallel)
+    fuse: bool = True  # PipeshardParallel.fuse_programs
 
     def __call__(
         self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
@@ -204,7 +205,14 @@ class WorkerBuilder:
         schedule = make_schedule(plan.schedule, plan.num_stages, B)
         lowering = stage_lowerings(plan, placed)
         compiled = compile_pipeline(
-            step, capture, forward, lowering, schedule, self.donated, self.shard_state
+            step,
+            capture,
+            forward,
+            lowering,
+            schedule,
+            self.donated,
+            self.shard_state,
+            self.fuse,
         )
         split = split_stream(compiled.stream, self.stage_host, compiled.arg_names)
         holds = sorted(
@@ -499,6 +507,7 @@ def compile_pipeshard_ray(
         cluster.devices_per_host,
         tuple(donated),
         method.shards_optimizer_state,
+        method.fuse_programs,
     )
     built = ray.get([w.build.remote(builder) for w in session.workers])
     meta = built[0]["meta"]

@@ -20,6 +20,7 @@ from alpa_mini import (
     UniformStageOption,
 )
 from alpa_mini.models import GPTConfig, gpt_loss, init_gpt, make_gpt_batch, make_train_step
+from alpa_mini.runtime.instructions import Run
 from helpers.mlp import marked_mlp_args, marked_mlp_loss, train_beside_serial
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -32,9 +33,12 @@ def _train(loss, params, data, method, steps: int = 2):
     return train_beside_serial(loss, params, data, method, steps)
 
 
-def _method(B: int, stages: int = 1, layout: str = "data") -> PipeshardParallel:
+def _method(B: int, stages: int = 1, layout: str = "data", fuse: bool = False) -> PipeshardParallel:
+    """Unfused by default: the tests read each program's (forward, backward, sync, apply)
+    collectives; ``test_fused_programs_move_the_same_gradient_bytes`` checks fusion."""
     return PipeshardParallel(
         num_micro_batches=B,
+        fuse_programs=fuse,
         layer_option=ManualLayerOption(),
         stage_option=UniformStageOption(stages, (1, 8 // stages)),
         default_auto_sharding_option=ShardParallel(layout=layout),
@@ -160,8 +164,6 @@ def test_params_inside_remat_blocks_and_scans_are_reduced_once_per_step(kind):
 
 
 def _stream_runs(loss, params, batch):
-    from alpa_mini.runtime.instructions import Run
-
     ex = _train(loss, params, batch, _method(4, stages=2), steps=1)
     return [ins for ins in ex.compiled.stream if isinstance(ins, Run)]
 
@@ -199,3 +201,26 @@ def test_data_parallel_gpt_reduces_its_gradients_once_per_step():
         assert (count, nbytes) == (len(jax.tree.leaves(params)), param_bytes), str(c)
         totals[B] = _reduced_bytes(c.per_step())
     assert max(totals.values()) <= 1.05 * min(totals.values()), totals
+
+
+def test_fused_programs_move_the_same_gradient_bytes():
+    """Fusion (the default) runs a one-stage step as one program and the last stage's
+    forward and backward of a micro-batch as one (``lower/fuse.py``); the gradient bytes
+    reduced per step do not change, and the numerics still equal serial JAX."""
+    params, batch = marked_mlp_args(4, 64, 128)
+    grad_bytes = 4 * 64 * 64 * 4
+    for stages in (1, 2):
+        plain = _train(marked_mlp_loss, params, batch, _method(4, stages))
+        fused = _train(marked_mlp_loss, params, batch, _method(4, stages, fuse=True))
+        got = _reduced_bytes(fused.collectives().per_step())
+        want = _reduced_bytes(plain.collectives().per_step())
+        assert grad_bytes <= got <= want <= 1.01 * grad_bytes, (got, want)
+        runs = [i.program for i in fused.compiled.stream if isinstance(i, Run)]
+        plain_runs = [i.program for i in plain.compiled.stream if isinstance(i, Run)]
+        parts = fused.compiled.fused
+        if stages == 1:
+            assert len(runs) == 1, runs
+            assert {"fwd0", "bwd0.0", "bwd0", "sync0", "apply0"} <= set(parts[runs[0]])
+        else:
+            assert any({"fwd1", "bwd1"} <= set(parts.get(r, ())) for r in runs), runs
+            assert len(runs) < len(plain_runs)

@@ -267,7 +267,9 @@ def test_profile_times_every_instruction_and_matches_the_plain_step():
 
     _init("cpu-1x8")
     loss, params, data = _mlp_case()
-    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4)))
+    method = PipeshardParallel(
+        num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4)), fuse_programs=False
+    )
     ex = _run(loss, params, data, method, steps=1)
     state = sgd(0.1).init(params)
     plain = ex(params, state, data)

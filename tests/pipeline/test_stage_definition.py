@@ -50,10 +50,11 @@ def test_priced_cotangents_are_the_compiled_backwards(devices8, model: str, stag
     params, batches = initial(model)
     opt = sgd(0.1)
     step = make_train_step(model_case(model).loss, opt, alpa_mini.value_and_grad)
-    method = PipeshardParallel(
+    method = PipeshardParallel(  # unfused: the test records each bwd{s} program
         num_micro_batches=2,
         layer_option=AutoLayerOption(2, eps=0.5),
         stage_option=STAGES[stages],
+        fuse_programs=False,
     )
     args = (params, opt.init(params), batches[0])
     ex = alpa_mini.parallelize(step, method=method).get_executable(*args)
@@ -116,7 +117,9 @@ def test_an_aux_output_read_by_a_later_stage_carries_a_cotangent(devices8) -> No
         p, s = opt.update(grads, s, p)
         return p, s, loss, scale
 
-    method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2, (1, 4)))
+    method = PipeshardParallel(
+        num_micro_batches=2, stage_option=UniformStageOption(2, (1, 4)), fuse_programs=False
+    )
     args = (params, opt.init(params), batch)
     ex = alpa_mini.parallelize(step, method=method).get_executable(*args)
     priced = _priced(method, step, args)

@@ -118,10 +118,11 @@ def mlp():
     alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
     params, data = marked_mlp_args(4, 16, 32)
     opt = adam(1e-2, eps=1e-3)
-    method = PipeshardParallel(
+    method = PipeshardParallel(  # a program per task: the trace shows F/B per micro-batch
         num_micro_batches=4,
         stage_option=UniformStageOption(2, (1, 4)),
         pipeline_schedule="1f1b",
+        fuse_programs=False,
     )
     step = alpa_mini.parallelize(
         make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad), method=method

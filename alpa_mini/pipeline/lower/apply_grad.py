@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ...graph.jaxpr_walk import eval_eqns
 from ...runtime.instructions import Instruction, Put, Run
 
-__all__ = ["apply_updates", "donate_inputs", "state_sharding"]
+__all__ = ["Unjitted", "apply_updates", "donate_inputs", "state_sharding"]
 
 
 def state_sharding(
@@ -56,11 +56,18 @@ def entry_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else () if entry is None else (entry,)
 
 
-class _Unjitted:
-    """An apply program before ``donate_inputs`` jits it."""
+class Unjitted:
+    """A program before ``donate_inputs`` jits it (an apply or a fused program):
+    ``out_shardings`` None leaves the result layouts to the programs inside; ``donate``:
+    inputs it always consumes, besides the step arguments ``donate_inputs`` adds."""
 
-    def __init__(self, fn: Callable[..., Any], out_shardings: tuple[Any, ...]) -> None:
-        self.fn, self.out_shardings = fn, out_shardings
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        out_shardings: tuple[Any, ...] | None,
+        donate: tuple[int, ...] = (),
+    ) -> None:
+        self.fn, self.out_shardings, self.donate = fn, out_shardings, donate
 
 
 def donate_inputs(
@@ -86,25 +93,35 @@ def donate_inputs(
     for i, ins in enumerate(stream):
         for n in _reads(ins):
             last_read[root.get(n, n)] = i
+    # A program run several times consumes an argument only where every run may.
+    per_program: dict[str, set[int]] = {}
+    runs: dict[str, list[Run]] = {}
     for i, ins in enumerate(stream):
-        if not isinstance(ins, Run) or not isinstance(programs.get(ins.program), _Unjitted):
+        if not isinstance(ins, Run) or not isinstance(programs.get(ins.program), Unjitted):
             continue
-        donate = tuple(
+        donate = {
             k
             for k, n in enumerate(ins.inputs)
             if (r := root.get(n, n)) in donated_args
             and r not in kept
             and last_read[r] == i
-            and ins.inputs.count(n) == 1
-        )
-        un = programs[ins.program]
-        programs[ins.program] = jax.jit(
-            un.fn, out_shardings=un.out_shardings, donate_argnums=donate
-        )
-        for k in donate:
-            n = ins.inputs[k]
-            if n in layout_of:
-                where[root[n]] = layout_of[n]
+            and sum(root.get(m, m) == r for m in ins.inputs) == 1
+        }
+        if ins.program in per_program:
+            per_program[ins.program] &= donate
+        else:
+            per_program[ins.program] = donate
+        runs.setdefault(ins.program, []).append(ins)
+    for program, args in per_program.items():
+        un = programs[program]
+        shardings = {} if un.out_shardings is None else {"out_shardings": un.out_shardings}
+        both = tuple(sorted(args | set(un.donate)))
+        programs[program] = jax.jit(un.fn, donate_argnums=both, **shardings)
+        for ins in runs[program]:
+            for k in args:
+                n = ins.inputs[k]
+                if n in layout_of:
+                    where[root[n]] = layout_of[n]
     return where
 
 
@@ -181,7 +198,7 @@ def apply_updates(
             out_sh.append(home[1] if home is not None and home[0] == s else None)
         program = _apply_program(sub, inputs, [v for _, v in outs], consts)
         # Jitted by ``donate_inputs`` once the stream is complete (which inputs die here).
-        programs[f"apply{s}"] = _Unjitted(program, tuple(out_sh))
+        programs[f"apply{s}"] = Unjitted(program, tuple(out_sh))
         stream.append(Run(f"apply{s}", tuple(names_in), tuple(f"out{o}" for o, _ in outs), s))
     return out_names, out_literals
 
