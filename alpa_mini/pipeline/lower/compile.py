@@ -12,7 +12,8 @@ values crossing the stage's edges). Per stage it builds
 
 The schedule's task order becomes a stream of ``Put``/``Run``/``Accumulate``/``Free`` for
 ``runtime.local`` (or Ray). Gradients are averaged over micro-batches by seeding the loss
-cotangent with 1/B; the loss value and aux outputs are averaged the same way.
+cotangent with 1/B; the loss value and aux outputs are averaged the same way. Last, each
+stretch of one mesh's instructions between transfers becomes one program (``fuse.py``).
 """
 
 from __future__ import annotations
