@@ -44,7 +44,6 @@ class _Stretch:
 
     mesh: int
     start: int  # index of its first instruction in the stream
-    body: list[Run | Accumulate] = field(default_factory=list)
     frees: list[tuple[str, int]] = field(default_factory=list)  # (name, its mesh)
     end: int = 0  # index of its last instruction
     items: list[Instruction] = field(default_factory=list)  # body and frees, in order
@@ -56,6 +55,11 @@ class _Stretch:
         or frees, and makes no name the stretch reads, writes or frees."""
         freed = {n for n, _ in self.frees}
         return not ({put.src, put.dst} & (self.names | freed))
+
+    @property
+    def body(self) -> list[Run | Accumulate]:
+        """Its runs and accumulates, in order."""
+        return [i for i in self.items if isinstance(i, Run | Accumulate)]
 
     @property
     def work(self) -> int:
@@ -124,7 +128,6 @@ def fuse_stream(
             if stretch is None:
                 stretch = _Stretch(ins.mesh, i)
                 holders.mark()
-            stretch.body.append(ins)
             stretch.items.append(ins)
             stretch.names.update(_reads(ins), writes)
             stretch.end = i
