@@ -720,17 +720,22 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
-def summarize(collectives: Iterable[Collective]) -> dict[str, CollectiveSummary]:
-    """Per-kind totals, one entry for every kind in ``KINDS`` (zeros where absent)."""
+def summarize(
+    collectives: Iterable[Collective], per_run: bool = False
+) -> dict[str, CollectiveSummary]:
+    """Per-kind totals, one entry for every kind in ``KINDS`` (zeros where absent). With
+    ``per_run``, tensors and bytes of a collective inside loops count once per iteration
+    (``trip_count``; once where XLA did not record it): what one run of the program moves."""
     totals = {k: [0, 0, 0, 0, 0] for k in KINDS}
     for c in collectives:
+        n = (c.trip_count or 1) if per_run and c.in_loop else 1
         t = totals[c.kind]
-        t[0] += c.num_tensors
+        t[0] += c.num_tensors * n
         t[1] += 1
-        t[2] += c.bytes
+        t[2] += c.bytes * n
         if c.in_loop:
             t[3] += 1
-            t[4] += c.bytes
+            t[4] += c.bytes * n
     return {k: CollectiveSummary(k, *v) for k, v in totals.items()}
 
 

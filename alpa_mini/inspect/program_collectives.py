@@ -3,7 +3,8 @@
 A pipeshard step is many programs (per stage: forward, backward, the once-per-step gradient
 sync, the optimiser's apply), each run some number of times per step. ``step_collectives``
 parses each program's HLO and weighs it by how often the instruction stream runs it, so
-``per_step()`` answers "how many bytes of gradient all-reduce does one step move".
+``per_step()`` answers "how many bytes of gradient all-reduce does one step move" (a
+collective inside a program's micro-batch loop, ``lower/roll.py``, counts once per iteration).
 """
 
 from __future__ import annotations
@@ -103,6 +104,6 @@ def step_collectives(
     out = []
     for program, n in runs:
         role, stage = program_role(program)
-        hlo = summarize(parse_collectives(hlo_text(program)))
+        hlo = summarize(parse_collectives(hlo_text(program)), per_run=True)
         out.append(ProgramCollectives(program, stage, role, n, hlo))
     return StepCollectives(tuple(out))

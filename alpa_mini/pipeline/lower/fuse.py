@@ -24,6 +24,7 @@ import jax
 
 from ...runtime.instructions import Accumulate, Free, Instruction, Put, Run
 from .apply_grad import Unjitted
+from .roll import find_loops, run_ops
 
 __all__ = ["fuse_stream", "fused_name"]
 
@@ -307,18 +308,21 @@ def _donatable(
 def _fused_fn(
     ops: list[_Op], returned: list[int], programs: dict[str, Any]
 ) -> Callable[..., tuple[Any, ...]]:
-    """The stretch replayed on traced values (each program inlined into one jit)."""
+    """The stretch replayed on traced values (each program inlined into one jit), repeated
+    micro-batch work as a loop (``roll.py``)."""
     calls = {op.program: _callable(programs[op.program]) for op in ops if op.program is not None}
+
+    loops = find_loops(ops, returned)
+
+    def call(op: _Op, args: list[Any]) -> list[Any]:
+        if op.program is None:
+            src, dst = args
+            return [dst + src]
+        return list(calls[op.program](*args))
 
     def fused(*args: Any) -> tuple[Any, ...]:
         env = dict(enumerate(args))
-        for op in ops:
-            if op.program is None:
-                src, dst = (env[i] for i in op.inputs)
-                env[op.outputs[0]] = dst + src
-            else:
-                outs = calls[op.program](*(env[i] for i in op.inputs))
-                env.update(zip(op.outputs, outs, strict=True))
+        run_ops(ops, loops, env, call)
         return tuple(env[i] for i in returned)
 
     return fused
