@@ -59,6 +59,7 @@ def main() -> None:
                 layer_option=ManualLayerOption(),
                 stage_option=UniformStageOption(stages, (1, 8 // stages)),
                 default_auto_sharding_option=ShardParallel(layout=layout),
+                fuse_programs=False,  # a program per task, so the table can split by role
             )
             step = alpa_mini.parallelize(
                 make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
@@ -87,7 +88,8 @@ def main() -> None:
             "",
             f"Command: `python -m benchmarks.grad_sync` ({datetime.date.today().isoformat()}). "
             "A 4-layer tanh MLP (width 256, batch 128, SGD) on `cpu-1x8`: one stage of 8 "
-            "devices or two of 4, B micro-batches. Each program's collectives are parsed from "
+            "devices or two of 4, B micro-batches, a program per task (`fuse_programs=False`; "
+            "fused, the totals are the same). Each program's collectives are parsed from "
             "its compiled HLO (`PipeshardExecutable.collectives()`) and weighed by its runs per "
             "step. Gradients: 4 x 256 KiB = 1 MiB. Before issue 20 every backward reduced every "
             "gradient, so these bytes grew B-fold.",

@@ -405,7 +405,7 @@ def ray_table(rays: dict[str, dict[str, Any]], local: dict[str, Any], wide: dict
     for case, what, base, target in rows:
         r = rays[case]
         ratio = med(r["step"]) / med(base["pipelined"])
-        ok = ("yes" if ratio <= 1.5 else "**no**") if target else "–"
+        ok = ("yes" if ratio <= 1.10 else "**no**") if target else "–"
         lines.append(
             f"| {what} | {med(r['step']) * 1e3:.1f} | {med(base['pipelined']) * 1e3:.1f} | "
             f"{ratio:.2f} | {ok} | {med(r['dispatch']) * 1e3:.2f} |"
@@ -422,7 +422,7 @@ def ray_table(rays: dict[str, dict[str, Any]], local: dict[str, Any], wide: dict
         "gloo between threads; the last row's stage mesh spans both workers, so its "
         "collectives cross processes. "
         f"Medians of {len(rays['hosts']['step'])} steps.\n\n"
-        "| case | Ray step ms | local step ms | Ray / local | ≤ 1.5 | driver dispatch ms |\n"
+        "| case | Ray step ms | local step ms | Ray / local | ≤ 1.10 | driver dispatch ms |\n"
         "|---|---:|---:|---:|:---|---:|\n" + "\n".join(lines) + "\n"
     )
 
