@@ -241,9 +241,10 @@ class PipeshardParallel:
     also picks layouts that avoid it (better plans where it matters, e.g. tensor against
     data parallelism of wide layers; MIPs up to 10x slower on large stages).
     fuse_programs: run each stretch of a stage's work between two transfers (under 1F1B the
-    last stage's forward and backward of a micro-batch; a one-stage step whole) as one
-    program, one launch instead of one per task. False keeps a program per forward,
-    backward, sync and apply: per-task timelines (``trace``) and HLO, at a launch each.
+    last stage's forward and backward of a micro-batch; a one-stage step whole, its
+    micro-batches as one loop) as one program, one launch instead of one per task. False
+    keeps a program per forward, backward, sync and apply: per-task timelines (``trace``)
+    and HLO, at a launch each.
     """
 
     num_micro_batches: int = 1
