@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import alpa_mini
 from alpa_mini import ManualLayerOption, PipeshardParallel, ShardParallel, UniformStageOption
-from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline.lower.fuse import _Op
 from alpa_mini.pipeline.lower.roll import find_loops, run_ops
+from helpers.mlp import marked_mlp_args, marked_mlp_loss, train_beside_serial
 
 
 def _one_stage_1f1b(B: int) -> tuple[list[_Op], list[int]]:
@@ -130,43 +129,15 @@ def test_one_stage_step_runs_its_micro_batches_as_a_loop(devices4):
     """The fused one-stage program of B = 6 holds one while loop of B - 1 iterations, its
     per-step collectives count the loop's loss all-reduce once per iteration, and the
     numerics equal serial JAX (SGD, 1e-6)."""
-    B, width, batch = 6, 64, 48
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
-    params = [jax.random.normal(k[i], (width, width)) * 0.1 for i in range(3)]
-    data = {
-        "x": jax.random.normal(k[3], (batch, width)),
-        "y": jax.random.normal(k[4], (batch, width)),
-    }
-
-    def loss(ps, d):
-        h = d["x"]
-        for i, p in enumerate(ps):
-            h = jnp.tanh(h @ p)
-            if i < len(ps) - 1:
-                alpa_mini.mark_pipeline_boundary()
-        return jnp.mean((h - d["y"]) ** 2)
-
-    opt = sgd(0.1)
-    train = make_train_step(loss, opt, alpa_mini.value_and_grad)
-    step = alpa_mini.parallelize(
-        train,
-        method=PipeshardParallel(
-            num_micro_batches=B,
-            layer_option=ManualLayerOption(),
-            stage_option=UniformStageOption(1, (1, 4)),
-            default_auto_sharding_option=ShardParallel(layout="data"),
-        ),
+    B = 6
+    params, data = marked_mlp_args(layers=3, width=64, batch=48, scale=0.1)
+    method = PipeshardParallel(
+        num_micro_batches=B,
+        layer_option=ManualLayerOption(),
+        stage_option=UniformStageOption(1, (1, 4)),
+        default_auto_sharding_option=ShardParallel(layout="data"),
     )
-    serial = jax.jit(make_train_step(loss, opt, jax.value_and_grad))
-    p, s = params, opt.init(params)
-    ps, ss = params, opt.init(params)
-    for _ in range(2):
-        p, s, lv = step(p, s, data)
-        ps, ss, ls = serial(ps, ss, data)
-    np.testing.assert_allclose(float(lv), float(ls), rtol=1e-6)
-    for a, b in zip(p, ps, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    ex = step.get_executable(p, s, data)
+    ex = train_beside_serial(marked_mlp_loss, params, data, method)
     (fused,) = [n for n in ex.compiled.fused]
     hlo = ex.get_hlo_text(fused)
     trips = [int(t) for t in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo)]
