@@ -233,7 +233,12 @@ def _edges(
         if graph.tensors[t].role == "const" or t not in producer:
             continue
         v = alias_of_output.get(k, n_in + n_ops + k)
-        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], 1.0)
+        # An output moves into its returned (or aliased) layout as often as its producer's
+        # collectives run: a gradient reduced once per step (comm_scale 1/B) is also brought
+        # into its parameter's layout once per step, as ``_gradient_sync`` prices it.
+        tu = producer[t][0]
+        scale = graph.nodes[tu - n_in].comm_scale if tu >= n_in else 1.0
+        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], scale)
     return edges, edge_info
 
 

@@ -117,10 +117,10 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
     ("ilp") the free ILP then prefers splitting the weights, which is cheaper."""
     import alpa_mini
 
-    step, args = _mlp_args(width=1024, batch=8)
-
-    def latency(layout, sync):
+    def latency(layout, sync, micro_batches=1):
+        step, args = _mlp_args(width=1024, batch=8 * micro_batches)
         method = alpa_mini.PipeshardParallel(
+            num_micro_batches=micro_batches,
             stage_option=alpa_mini.UniformStageOption(1, (1, 4)),
             default_auto_sharding_option=alpa_mini.ShardParallel(layout=layout),
             gradient_sync=sync,
@@ -132,6 +132,11 @@ def test_gradient_sync_is_priced_after_the_solve_or_inside_it():
     # 4 MiB of gradient per layer to all-reduce (or all-gather) on 4 devices: milliseconds
     assert data_after > free_ilp and data_ilp > free_ilp
     assert free_ilp < free_after  # seeing the sync, the ILP avoids most of it
+    # The sync runs once per step, so a micro-batch pays 1/B of it, priced inside the ILP
+    # ("ilp") exactly as after it: with layouts pinned both see the same plan.
+    data4_after, data4_ilp = latency("data", "after", 4), latency("data", "ilp", 4)
+    assert data4_ilp == pytest.approx(data4_after, rel=1e-9)
+    assert data4_after < data_after
 
 
 def test_uniform_individual_profiling_composes_the_layer_costs():
