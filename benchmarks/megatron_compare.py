@@ -49,6 +49,10 @@ ILP_TIME_LIMIT = 20.0
 #: How gradients are synchronised in the runtime the rows are priced for. Rows measured before
 #: the once-per-step sync lack the field; their figures stay in ``BEFORE`` for one release.
 GRAD_SYNC = "per-step"
+#: Rows also record how the stage ILPs (``gradient_sync="ilp"``) price moving a gradient into
+#: its parameter's layout. Rows of 2026-11-26 before commit 761eea5 lack it: their ILPs
+#: charged that move once per micro-batch while the stage cost charged the rest once per step.
+GRAD_SYNC_ILP = "per-step"
 BEFORE = "megatron-before-grad-sync.json"
 
 
@@ -226,7 +230,8 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         "ours s | ours / Megatron | our planning s | before: Megatron s, ours (dp/tp/pp) s |",
         "|---|---:|---|---|---|---:|---|---:|---:|---:|---|",
     ]
-    notes = []
+    notes: list[str] = []
+    stale: list[str] = []
     before = _before_rows()
     for r in results:
         p, o = r["published"], r["our_choice"]
@@ -237,7 +242,9 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         activations = "recomputed" if r.get("recomputed") else "stored"
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
         ratio = f"{r['ours'] / r['theirs']:.3f}" if both else "–"
-        sync = "per step" if r.get("grad_sync") == GRAD_SYNC else "per micro-batch"
+        sync = _sync_text(r)
+        if sync.endswith("*"):
+            stale.append(r["model"])
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
         lines.append(
@@ -249,7 +256,19 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             notes.append(f"- {r['model']}, Megatron: " + "; ".join(r["their_reasons"])[:300])
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
+    if stale:
+        notes.append(
+            f"- {', '.join(stale)} (*per step\\**): measured before the stage ILPs charged the "
+            "move of a gradient into its parameter's layout once per step too (they charged it "
+            "once per micro-batch, leaning against data parallelism); to be re-run"
+        )
     return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
+
+
+def _sync_text(r: dict[str, Any]) -> str:
+    if r.get("grad_sync") != GRAD_SYNC:
+        return "per micro-batch"
+    return "per step" if r.get("grad_sync_ilp") == GRAD_SYNC_ILP else "per step\\*"
 
 
 def _before_rows() -> dict[str, dict[str, Any]]:
@@ -290,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} ...", flush=True)
         measured = _child(name, opts.time_limit)
         today = datetime.date.today().isoformat()
-        results.append({**measured, "date": today, "grad_sync": GRAD_SYNC})
+        sync = {"grad_sync": GRAD_SYNC, "grad_sync_ilp": GRAD_SYNC_ILP}
+        results.append({**measured, "date": today, **sync})
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"

@@ -53,6 +53,11 @@ REFINE_TOP = 3
 OUR_LOGICAL_SHAPES = "model_parallel_in_host"
 #: How a row's plan was searched, recorded per row (rows without it: "auto", not lean).
 OUR_SPACE = f"{OUR_LOGICAL_SHAPES}+memory_lean"
+#: How gradients are synchronised in the runtime the rows are priced for (issue 20: once per
+#: step). Rows measured before lack the field; their figures stay in ``BEFORE`` for one
+#: release and are shown beside the re-run rows.
+GRAD_SYNC = "per-step"
+BEFORE = "plan-quality-before-grad-sync.json"
 CSV_FIELDS = [
     "model",
     "gpus",
@@ -68,6 +73,8 @@ CSV_FIELDS = [
     "baseline_search_s",
     "search",
     "our_space",
+    "grad_sync",
+    "before",
     "note",
 ]
 
@@ -213,12 +220,17 @@ def _num_layers(step: Any, args: tuple[Any, ...]) -> int:
     return len(layer_starts(forward, ManualLayerOption()))
 
 
-def to_csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def to_csv_rows(
+    results: list[dict[str, Any]], before: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """One flat row per result; ``before``: the per-micro-batch-sync rows by model (default:
+    the ``BEFORE`` snapshot), shown beside rows re-run with the once-per-step sync."""
+    before = _before_rows() if before is None else before
     out = []
     for r in results:
-        base = next(b for b in r["baselines"] if b["name"] == r["best_baseline"])
-        ours = r["ours"]["time"]
-        ratio = ours / base["time"] if math.isfinite(base["time"]) else math.nan
+        base, ours, ratio = _figures(r)
+        per_step = r.get("grad_sync") == GRAD_SYNC
+        old = before.get(r["model"]) if per_step else None
         target = 0.90 if r["family"] in ("moe", "wresnet") else 1.00
         notes = []
         counts = r.get("micro_batch_counts")
@@ -248,10 +260,30 @@ def to_csv_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "baseline_search_s": sum(b["seconds"] for b in r["baselines"]),
                 "search": r.get("baseline_search", "exhaustive"),
                 "our_space": r.get("our_space", "auto"),
+                "grad_sync": "per step" if per_step else "per micro-batch",
+                "before": "–" if old is None else _before_text(old),
                 "note": note,
             }
         )
     return out
+
+
+def _figures(r: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """A result's best baseline, our time and the ratio ours / best baseline."""
+    base = next(b for b in r["baselines"] if b["name"] == r["best_baseline"])
+    ours = r["ours"]["time"]
+    return base, ours, ours / base["time"] if math.isfinite(base["time"]) else math.nan
+
+
+def _before_rows() -> dict[str, dict[str, Any]]:
+    path = RESULTS / BEFORE
+    return {r["model"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+
+
+def _before_text(r: dict[str, Any]) -> str:
+    base, ours, ratio = _figures(r)
+    ratio_text = f"{ratio:.3f}" if math.isfinite(ratio) else "–"
+    return f"{base['time']:.3f}, {ours:.3f} ({ratio_text})"
 
 
 def _config_text(c: dict[str, int]) -> str:
@@ -290,11 +322,14 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "fit, keeping the faster plan of each; composed plans over memory are re-planned "
         "after the timed ones. Our stage notation: layers i-j @ submesh (logical mesh). "
         "The cost model is not calibrated to real A100s: the ratios compare plans, the "
-        "absolute seconds are the model's.",
+        "absolute seconds are the model's. *Sync*: whether the row is priced with gradients "
+        "reduced once per step (this runtime since issue 20) or once per micro-batch (not "
+        "re-run yet); *before* gives a re-run row's per-micro-batch figures: best baseline s, "
+        "ours s (ratio).",
         "",
         "| model | GPUs | best baseline | its config | baseline s | ours | ours s | ratio | "
-        "target | met | planning s | search |",
-        "|---|---:|---|---|---:|---|---:|---:|---:|:---|---:|:---|",
+        "target | met | planning s | search | sync | before |",
+        "|---|---:|---|---|---:|---|---:|---:|---:|:---|---:|:---|:---|:---|",
     ]
     for r in rows:
         met = "yes" if r["met"] else "**no**"
@@ -302,7 +337,7 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
             f"| {r['model']} | {r['gpus']} | {r['baseline']} | {r['baseline_config']} | "
             f"{r['baseline_s']:.3f} | {r['ours_config']} | {r['ours_s']:.3f} | "
             f"{r['ratio']:.3f} | ≤ {r['target']:.2f} | {met} | {r['planning_s']:.1f} | "
-            f"{r['search']} |"
+            f"{r['search']} | {r['grad_sync']} | {r['before']} |"
         )
     notes = [f"- {r['model']}: {r['note']}" for r in rows if r["note"]]
     older = [r["model"] for r in rows if r.get("our_space", "auto") != OUR_SPACE]
@@ -361,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
         result = _child(name, micro, opts.time_limit, opts.refine_top)
-        results.append({**result, "date": datetime.date.today().isoformat()})
+        today = datetime.date.today().isoformat()
+        results.append({**result, "date": today, "grad_sync": GRAD_SYNC})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"

@@ -71,6 +71,24 @@ def test_ratios_are_against_the_best_baseline_and_the_family_target():
     text = to_markdown(rows, "alpa-mini bench plan-quality", 1.0)
     assert "| moe-x | 8 | megatron | dp2 tp4 pp1 B16 |" in text and "**no**" in text
     assert "0-3@1x8(2x4)" in text
+    assert text.count("| per micro-batch | – |") == 3  # rows measured before issue 20
+
+
+def test_rows_rerun_with_once_per_step_sync_show_their_earlier_figures():
+    cfg = {"dp": 2, "tp": 4, "pp": 1, "micro_batches": 16}
+    old = _result("gpt-x", "gpt", 12.0, [("megatron", 10.0, cfg, "")])
+    new = dict(_result("gpt-x", "gpt", 9.0, [("megatron", 10.0, cfg, "")]), grad_sync="per-step")
+    (row,) = to_csv_rows([new], before={"gpt-x": old})
+    assert (row["ratio"], row["grad_sync"], row["before"]) == (
+        0.9,
+        "per step",
+        "10.000, 12.000 (1.200)",
+    )
+    assert row["met"]
+    (unsynced,) = to_csv_rows([old], before={"gpt-x": old})
+    assert (unsynced["grad_sync"], unsynced["before"]) == ("per micro-batch", "–")
+    text = to_markdown([row], "alpa-mini bench plan-quality", 1.0)
+    assert "| 0.900 | ≤ 1.00 | yes | 2.0 | exhaustive | per step | 10.000, 12.000 (1.200) |" in text
 
 
 def test_rows_whose_batch_the_default_counts_do_not_divide_use_the_nearest_divisors():
@@ -118,14 +136,20 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
         "| 8.00 | 0.800 | 3 | – |"
     )
     assert row in text
+    per_step = {"grad_sync": "per-step", "grad_sync_ilp": "per-step"}
     text = megatron_markdown(
-        [dict(result, recomputed=True, grad_sync="per-step")], "alpa-mini bench megatron", 1.0
+        [dict(result, recomputed=True, **per_step)], "alpa-mini bench megatron", 1.0
     )
     assert "| megatron-x | 32 | recomputed | per step | 32/1/1 (B8) |" in text
     # A re-run row shows its per-micro-batch figures beside (benchmarks/results snapshot).
-    again = dict(result, model="megatron-1.7b", grad_sync="per-step")
+    again = dict(result, model="megatron-1.7b", **per_step)
     text = megatron_markdown([again], "alpa-mini bench megatron", 1.0)
     assert text.rstrip().endswith("| 8.04, 8/4/1 (B8) 6.74 |"), text
+    # A row whose stage ILPs still priced the gradient's move per micro-batch is marked.
+    stale = dict(result, grad_sync="per-step")
+    text = megatron_markdown([stale], "alpa-mini bench megatron", 1.0)
+    assert "| megatron-x | 32 | stored | per step\\* |" in text
+    assert "- megatron-x (*per step\\**): measured before" in text
     # A published plan that fits at no micro-batch count: no ratio, and the reason shown.
     unfit = dict(result, theirs=math.inf, their_B=None, their_reasons=["whole: B=8: 90 GiB"])
     text = megatron_markdown([unfit], "alpa-mini bench megatron", 1.0)
