@@ -122,6 +122,7 @@ BENCHMARKS = {
     "megatron": "megatron_compare",
     "plan-quality": "plan_quality",
     "planning-time": "planning_time",
+    "sync-pricing": "sync_pricing",
 }
 
 

@@ -17,7 +17,9 @@ class PlanningStats:
     """Seconds per planning phase and ILP counts. ``trace_seconds``: tracing the step to a
     jaxpr; ``graph_seconds``: jaxpr -> op graphs; ``ilp_seconds``: building and solving the
     sharding ILPs (summed over threads, so it may exceed the wall time); ``dp_seconds``: the
-    stage DP (0 for ShardParallel); ``total_seconds``: wall time of the whole planning call."""
+    stage DP (0 for ShardParallel); ``total_seconds``: wall time of the whole planning call.
+    ``ilps_unproven``: free stage MIPs stopped at the time limit before proving optimality;
+    ``restricted_wins``: how many of those a restricted (ZeRO-3 or Megatron) plan replaced."""
 
     trace_seconds: float = 0.0
     graph_seconds: float = 0.0
@@ -25,6 +27,8 @@ class PlanningStats:
     dp_seconds: float = 0.0
     total_seconds: float = 0.0
     ilps_solved: int = 0
+    ilps_unproven: int = 0
+    restricted_wins: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
 

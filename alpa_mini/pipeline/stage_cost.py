@@ -67,9 +67,12 @@ class StageCost:
 class PlanningCounters:
     """What planning cost so far: ILPs really solved, stage costs needed (the DP table's cells
     for auto stages, one per stage otherwise), lookups the structural-hash cache answered,
-    and seconds building op graphs, in ILPs (summed over threads) and in the stage DP."""
+    free stage MIPs that stopped unproven and how often a restricted plan then won, and
+    seconds building op graphs, in ILPs (summed over threads) and in the stage DP."""
 
     ilps_solved: int = 0
+    ilps_unproven: int = 0
+    restricted_wins: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
     graph_seconds: float = 0.0
@@ -285,7 +288,11 @@ class _StageModel:
             isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
         )
         if job.filters is None and unproven:
+            free = plan
             plan = self._restricted(job, plan)
+            with self._lock:
+                self.stats.ilps_unproven += 1
+                self.stats.restricted_wins += plan is not free
         if not isinstance(plan, ShardingPlan):
             return None  # this stage does not fit here; the DP sees an infinite cost
         return self._stage_cost(io, job, plan)

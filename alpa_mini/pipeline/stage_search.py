@@ -99,6 +99,8 @@ def plan_pipeline(
             dp_seconds=c.dp_seconds,
             total_seconds=time.perf_counter() - t0,
             ilps_solved=c.ilps_solved,
+            ilps_unproven=c.ilps_unproven,
+            restricted_wins=c.restricted_wins,
             cost_entries=c.cost_entries,
             cache_hits=c.cache_hits,
         ),
