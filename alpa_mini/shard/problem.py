@@ -233,13 +233,22 @@ def _edges(
         if graph.tensors[t].role == "const" or t not in producer:
             continue
         v = alias_of_output.get(k, n_in + n_ops + k)
-        # An output moves into its returned (or aliased) layout as often as its producer's
-        # collectives run: a gradient reduced once per step (comm_scale 1/B) is also brought
-        # into its parameter's layout once per step, as ``_gradient_sync`` prices it.
-        tu = producer[t][0]
-        scale = graph.nodes[tu - n_in].comm_scale if tu >= n_in else 1.0
-        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], scale)
+        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], _output_weight(graph, producer[t][0]))
     return edges, edge_info
+
+
+def _output_weight(graph: OpGraph, vertex: int) -> float:
+    """How often an output moves into its returned (or aliased) layout per run of the graph:
+    once, unless its producer's collectives run less often. A pipeshard stage graph is one
+    micro-batch, and a gradient it reduces once per step (``comm_scale`` 1/B) is brought into
+    its parameter's layout once per step too, as ``_gradient_sync`` prices it. A producer
+    inside an inlined loop (``multiplier`` L, deferred: ``comm_scale`` 1/L) still hands its
+    output over once."""
+    n_in = len(graph.inputs)
+    if vertex < n_in:
+        return 1.0
+    node = graph.nodes[vertex - n_in]
+    return min(1.0, node.multiplier * node.comm_scale) if node.multiplier else 1.0
 
 
 def _add_edge(edges: dict[tuple[int, int], np.ndarray], u: int, v: int, matrix: np.ndarray) -> None:

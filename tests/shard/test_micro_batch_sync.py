@@ -66,3 +66,27 @@ def test_gradients_are_reduced_after_the_micro_batch_loop(kind, layout):
     reductions = [c for c in colls if c.kind in REDUCTIONS]
     assert not [c for c in reductions if c.in_loop], reductions
     assert sum(c.bytes for c in reductions) <= grad_bytes + 4, reductions
+
+
+def test_an_output_moves_into_its_layout_as_often_as_its_producer_reduces():
+    """An output's move into its returned (or aliased) layout runs once per run of the graph,
+    less only where its producer's collectives run less often: a pipeshard stage's gradient,
+    reduced once per B micro-batches (comm_scale 1/B), moves once per step; a deferred loop
+    body (multiplier L, comm_scale 1/L) or an undeferred one (multiplier L) hands over once."""
+    import dataclasses
+
+    from alpa_mini.graph.tracing import trace_jaxpr
+    from alpa_mini.shard.problem import _output_weight
+
+    closed = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    graph = trace_jaxpr(closed, ["param", "batch"], ["w", "x"])
+    last = len(graph.inputs) + len(graph.nodes) - 1
+
+    def weight(multiplier: float, comm_scale: float) -> float:
+        node = dataclasses.replace(graph.nodes[-1], multiplier=multiplier, comm_scale=comm_scale)
+        nodes = (*graph.nodes[:-1], node)
+        return _output_weight(dataclasses.replace(graph, nodes=nodes), last)
+
+    assert weight(1, 1.0) == 1.0 and weight(1, 0.25) == 0.25
+    assert weight(4, 0.25) == 1.0 and weight(4, 1.0) == 1.0
+    assert _output_weight(graph, 0) == 1.0  # an input returned as it is
