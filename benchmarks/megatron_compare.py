@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown[0]!r} is not a table row; rows: {', '.join(ROWS)}")
     command = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    kept = [] if opts.no_write else _earlier_rows(models)
+    kept = [] if opts.no_write else _earlier_rows()
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
@@ -314,17 +314,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
-            _write(kept, results, command.strip() + partial, time.perf_counter() - t0)
+            # Earlier rows stay until their model is re-run: a run stopped part-way keeps them.
+            done = {r["model"] for r in results}
+            earlier = [r for r in kept if r["model"] not in done]
+            _write(earlier, results, command.strip() + partial, time.perf_counter() - t0)
     print(to_markdown(results, command.strip(), time.perf_counter() - t0))
     return 0
 
 
-def _earlier_rows(models: list[str]) -> list[dict[str, Any]]:
-    """Rows of earlier runs (results/megatron.json) for models not re-run now."""
+def _earlier_rows() -> list[dict[str, Any]]:
+    """Rows of earlier runs (results/megatron.json); each is replaced once its model is re-run."""
     path = RESULTS / "megatron.json"
     if not path.exists():
         return []
-    return [r for r in json.loads(path.read_text()) if r["model"] not in models]
+    return json.loads(path.read_text())
 
 
 def _write(
