@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks._report import RESULTS, progress, run_child, update_section
 
-__all__ = ["SUITES", "cluster_for", "main", "row", "to_csv_rows", "to_markdown"]
+__all__ = ["SUITES", "cluster_for", "main", "row", "suite_step", "to_csv_rows", "to_markdown"]
 
 SUITES = {
     "gpt": ["gpt-350m", "gpt-760m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b", "gpt-39b"],
@@ -102,25 +102,34 @@ def micro_batch_counts(batch_size: int, requested: tuple[int, ...]) -> tuple[int
     return tuple(out)
 
 
-def row(
-    name: str, micro_batches: tuple[int, ...], time_limit: float, refine_top: int = REFINE_TOP
-) -> dict[str, Any]:
-    """Baselines and our plan for one model at its suite GPU count."""
+def suite_step(name: str) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """(spec, cluster, Adam train step, abstract args) of a suite model at its GPU count, with
+    a pipeline boundary after every block (the suites' layers)."""
     import jax
 
     import alpa_mini
-    from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from benchmarks.baselines import evaluate_plan, run_baselines
 
     spec = ModelSpec.named(name)
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, pipeline_marks=True))
-    cluster = cluster_for(spec.gpus)
     opt = adam(1e-4)
     params = spec.abstract_params()
     args = (params, jax.eval_shape(opt.init, params), spec.abstract_batch())
     step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
+    return spec, cluster_for(spec.gpus), step, args
+
+
+def row(
+    name: str, micro_batches: tuple[int, ...], time_limit: float, refine_top: int = REFINE_TOP
+) -> dict[str, Any]:
+    """Baselines and our plan for one model at its suite GPU count."""
+
+    import alpa_mini
+    from alpa_mini.errors import MemoryBudgetError
+    from benchmarks.baselines import evaluate_plan, run_baselines
+
+    spec, cluster, step, args = suite_step(name)
     ilp = alpa_mini.ShardParallel(time_limit=time_limit)
     num_layers = _num_layers(step, args)
     micro_batches = micro_batch_counts(spec.batch_size, micro_batches)

@@ -14,7 +14,6 @@ also lets each stage's ILP pick layouts that avoid it. Every plan runs in a fres
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -22,7 +21,7 @@ import sys
 from typing import Any
 
 from benchmarks._report import progress, run_child, update_section
-from benchmarks.plan_quality import OUR_LOGICAL_SHAPES, cluster_for
+from benchmarks.plan_quality import OUR_LOGICAL_SHAPES, suite_step
 
 __all__ = ["main", "plan_once", "to_markdown"]
 
@@ -36,23 +35,12 @@ ILP_TIME_LIMIT = 20.0
 
 def plan_once(name: str, micro_batches: int, pricing: str, time_limit: float) -> dict[str, Any]:
     """Plan one model at one micro-batch count with one gradient-sync pricing."""
-    import jax
-
     import alpa_mini
     from alpa_mini.errors import MemoryBudgetError
-    from alpa_mini.models import adam, make_train_step
-    from alpa_mini.models.specs import ModelSpec
     from benchmarks.baselines import evaluate_plan
     from benchmarks.megatron_compare import _summary
 
-    spec = ModelSpec.named(name)
-    # A pipeline boundary after every block: the suites' layers.
-    spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, pipeline_marks=True))
-    cluster = cluster_for(spec.gpus)
-    opt = adam(1e-4)
-    params = spec.abstract_params()
-    args = (params, jax.eval_shape(opt.init, params), spec.abstract_batch())
-    step = make_train_step(spec.loss_fn(), opt, alpa_mini.value_and_grad)
+    spec, cluster, step, args = suite_step(name)
     method = alpa_mini.PipeshardParallel(
         num_micro_batches=micro_batches,
         layer_option=alpa_mini.ManualLayerOption(),
