@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks._report import RESULTS, progress, run_child, update_section
 
-__all__ = ["ROWS", "main", "row"]
+__all__ = ["ROWS", "main", "plan_summary", "row"]
 
 PROG = "alpa-mini bench megatron"
 ROWS = (
@@ -53,6 +53,7 @@ GRAD_SYNC = "per-step"
 #: its parameter's layout. Rows of 2026-11-26 before commit 761eea5 lack it: their ILPs
 #: charged that move once per micro-batch while the stage cost charged the rest once per step.
 GRAD_SYNC_ILP = "per-step"
+STALE = "per step\\*"  # a per-step row whose ILPs still charged the move per micro-batch
 BEFORE = "megatron-before-grad-sync.json"
 
 
@@ -173,14 +174,14 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         "their_reasons": their_reasons,
         "recomputed": recompute,
         "ours": ours,
-        "our_choice": _summary(our_plan),
+        "our_choice": plan_summary(our_plan),
         "our_reasons": our_reasons,
         "their_seconds": their_seconds,
         "planning_s": time.perf_counter() - t0,
     }
 
 
-def _summary(plan: Any) -> dict[str, Any] | None:
+def plan_summary(plan: Any) -> dict[str, Any] | None:
     """Our plan as (dp, tp, pp): pp stages; dp x tp the most common stage's logical mesh
     (1-D meshes read as tp = their size: the ILP decides what each axis splits)."""
     if plan is None:
@@ -231,7 +232,6 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         "|---|---:|---|---|---|---:|---|---:|---:|---:|---|",
     ]
     notes: list[str] = []
-    stale: list[str] = []
     before = _before_rows()
     for r in results:
         p, o = r["published"], r["our_choice"]
@@ -243,8 +243,6 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
         ratio = f"{r['ours'] / r['theirs']:.3f}" if both else "–"
         sync = _sync_text(r)
-        if sync.endswith("*"):
-            stale.append(r["model"])
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
         lines.append(
@@ -256,6 +254,7 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             notes.append(f"- {r['model']}, Megatron: " + "; ".join(r["their_reasons"])[:300])
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
+    stale = [r["model"] for r in results if _sync_text(r) == STALE]
     if stale:
         notes.append(
             f"- {', '.join(stale)} (*per step\\**): measured before the stage ILPs charged the "
@@ -268,7 +267,7 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
 def _sync_text(r: dict[str, Any]) -> str:
     if r.get("grad_sync") != GRAD_SYNC:
         return "per micro-batch"
-    return "per step" if r.get("grad_sync_ilp") == GRAD_SYNC_ILP else "per step\\*"
+    return "per step" if r.get("grad_sync_ilp") == GRAD_SYNC_ILP else STALE
 
 
 def _before_rows() -> dict[str, dict[str, Any]]:

@@ -124,7 +124,6 @@ def row(
     name: str, micro_batches: tuple[int, ...], time_limit: float, refine_top: int = REFINE_TOP
 ) -> dict[str, Any]:
     """Baselines and our plan for one model at its suite GPU count."""
-
     import alpa_mini
     from alpa_mini.errors import MemoryBudgetError
     from benchmarks.baselines import evaluate_plan, run_baselines

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from benchmarks._report import progress, run_child, update_section
-from benchmarks.plan_quality import OUR_LOGICAL_SHAPES, suite_step
+from benchmarks.plan_quality import OUR_LOGICAL_SHAPES, SUITES, suite_step
 
 __all__ = ["main", "plan_once", "to_markdown"]
 
@@ -38,7 +38,7 @@ def plan_once(name: str, micro_batches: int, pricing: str, time_limit: float) ->
     import alpa_mini
     from alpa_mini.errors import MemoryBudgetError
     from benchmarks.baselines import evaluate_plan
-    from benchmarks.megatron_compare import _summary
+    from benchmarks.megatron_compare import plan_summary
 
     spec, cluster, step, args = suite_step(name)
     method = alpa_mini.PipeshardParallel(
@@ -48,8 +48,7 @@ def plan_once(name: str, micro_batches: int, pricing: str, time_limit: float) ->
         default_auto_sharding_option=alpa_mini.ShardParallel(time_limit=time_limit),
         gradient_sync=pricing,  # type: ignore[arg-type]
     )
-    out: dict[str, Any] = {"model": name, "gpus": spec.gpus, "B": micro_batches}
-    out["pricing"] = pricing
+    out = {"model": name, "gpus": spec.gpus, "B": micro_batches, "pricing": pricing}
     try:
         plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
     except MemoryBudgetError as err:
@@ -65,7 +64,7 @@ def plan_once(name: str, micro_batches: int, pricing: str, time_limit: float) ->
         "ilps_solved": stats.ilps_solved,
         "ilps_unproven": stats.ilps_unproven,
         "restricted_wins": stats.restricted_wins,
-        "choice": _summary(plan),
+        "choice": plan_summary(plan),
     }
 
 
@@ -118,7 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     models = [m for m in opts.models.split(",") if m]
-    counts = [int(b) for b in opts.micro_batches.split(",") if b]
+    every = [m for names in SUITES.values() for m in names]
+    unknown = [m for m in models if m not in every]
+    if unknown:
+        parser.error(f"--models: {unknown[0]!r} is not a suite row; rows: {', '.join(every)}")
+    try:
+        counts = [int(b) for b in opts.micro_batches.split(",") if b]
+    except ValueError:
+        parser.error(f"--micro-batches: {opts.micro_batches!r} is not comma-separated integers")
     rows = []
     for name in models:
         for b in counts:
