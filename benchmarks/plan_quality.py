@@ -133,7 +133,15 @@ def row(
     num_layers = _num_layers(step, args)
     micro_batches = micro_batch_counts(spec.batch_size, micro_batches)
 
-    ours: dict[str, Any] = {"time": math.inf, "plan": None, "reasons": []}
+    # unproven/restricted: free stage MIPs stopped at the time limit over all counts, and
+    # how many of those a restricted (ZeRO-3 or Megatron) stage plan replaced.
+    ours: dict[str, Any] = {
+        "time": math.inf,
+        "plan": None,
+        "reasons": [],
+        "unproven": 0,
+        "restricted": 0,
+    }
     t0 = time.perf_counter()
     for b in micro_batches:
         method = alpa_mini.PipeshardParallel(
@@ -152,6 +160,8 @@ def row(
             ours["reasons"].append(f"B={b}: {str(err)[:160]}")
             progress(f"{name} ours B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")
             continue
+        ours["unproven"] += plan.planning.ilps_unproven
+        ours["restricted"] += plan.planning.restricted_wins
         seconds, _, reason = evaluate_plan(plan, cluster)
         progress(f"{name} ours B={b}: {seconds:.3f} s {reason} ({time.perf_counter() - tb:.0f} s)")
         if reason:
@@ -202,6 +212,8 @@ def row(
             ],
             "micro_batches": None if plan is None else plan.num_micro_batches,
             "reasons": ours["reasons"],
+            "ilps_unproven": ours["unproven"],
+            "restricted_wins": ours["restricted"],
         },
         "planning_s": planning,
         "baseline_search": _search_text(refine_top),
