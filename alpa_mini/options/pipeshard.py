@@ -238,8 +238,9 @@ class PipeshardParallel:
     gradient_sync: how a stage prices bringing each parameter's gradient into the
     parameter's layout (where the optimiser applies it). "after": priced once the stage's
     ILP is solved (fast; the ILP does not see it). "ilp": tied inside the ILP, which then
-    also picks layouts that avoid it (better plans where it matters, e.g. tensor against
-    data parallelism of wide layers; MIPs up to 10x slower on large stages).
+    also picks layouts that avoid it. Both charge it once per step (1/B per micro-batch),
+    as the runtime syncs; at that weight "ilp" found the same plans or a 3% slower one and
+    planned up to 1.5x longer (``alpa-mini bench sync-pricing``), so "after" is the default.
     fuse_programs: run each stretch of a stage's work between two transfers (under 1F1B the
     last stage's forward and backward of a micro-batch; a one-stage step whole, its
     micro-batches as one loop) as one program, one launch instead of one per task. False
