@@ -41,6 +41,19 @@ def update_section(name: str, markdown: str) -> None:
 PROGRESS = "PROGRESS "
 
 
+def earlier_rows(filename: str) -> list[dict[str, Any]]:
+    """The rows a benchmark saved in ``results/<filename>`` (none if it never ran)."""
+    path = RESULTS / filename
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def not_rerun(earlier: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier rows whose model this run has not re-run yet: a run stopped part-way keeps
+    them, and each is replaced once its model is re-run."""
+    done = {r["model"] for r in results}
+    return [r for r in earlier if r["model"] not in done]
+
+
 def progress(message: str) -> None:
     """From a child: one line the parent shows at once (long rows take many minutes)."""
     print(PROGRESS + message, flush=True)

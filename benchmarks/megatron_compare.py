@@ -28,7 +28,14 @@ import time
 from collections import Counter
 from typing import Any
 
-from benchmarks._report import RESULTS, progress, run_child, update_section
+from benchmarks._report import (
+    RESULTS,
+    earlier_rows,
+    not_rerun,
+    progress,
+    run_child,
+    update_section,
+)
 
 __all__ = ["ROWS", "main", "plan_summary", "row"]
 
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown[0]!r} is not a table row; rows: {', '.join(ROWS)}")
     command = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    kept = [] if opts.no_write else _earlier_rows()
+    kept = [] if opts.no_write else earlier_rows("megatron.json")
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
@@ -313,20 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
-            # Earlier rows stay until their model is re-run: a run stopped part-way keeps them.
-            done = {r["model"] for r in results}
-            earlier = [r for r in kept if r["model"] not in done]
-            _write(earlier, results, command.strip() + partial, time.perf_counter() - t0)
+            _write(
+                not_rerun(kept, results),
+                results,
+                command.strip() + partial,
+                time.perf_counter() - t0,
+            )
     print(to_markdown(results, command.strip(), time.perf_counter() - t0))
     return 0
-
-
-def _earlier_rows() -> list[dict[str, Any]]:
-    """Rows of earlier runs (results/megatron.json); each is replaced once its model is re-run."""
-    path = RESULTS / "megatron.json"
-    if not path.exists():
-        return []
-    return json.loads(path.read_text())
 
 
 def _write(

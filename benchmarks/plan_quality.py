@@ -24,7 +24,14 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._report import RESULTS, progress, run_child, update_section
+from benchmarks._report import (
+    RESULTS,
+    earlier_rows,
+    not_rerun,
+    progress,
+    run_child,
+    update_section,
+)
 
 __all__ = ["SUITES", "cluster_for", "main", "row", "suite_step", "to_csv_rows", "to_markdown"]
 
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: {unknown[0]!r} is not a suite row; rows: {', '.join(every)}")
     command = "alpa-mini bench plan-quality " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
-    kept = [] if opts.fresh or opts.no_write else _earlier_rows()
+    kept = [] if opts.fresh or opts.no_write else earlier_rows("plan-quality.json")
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
@@ -421,20 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
-            # Earlier rows stay until their model is re-run: a run stopped part-way keeps them.
-            done = {r["model"] for r in results}
-            earlier = [r for r in kept if r["model"] not in done]
-            _write(earlier, results, command.strip() + partial, time.perf_counter() - t0)
+            _write(
+                not_rerun(kept, results),
+                results,
+                command.strip() + partial,
+                time.perf_counter() - t0,
+            )
     print(to_markdown(to_csv_rows(results), command.strip(), time.perf_counter() - t0))
     return 0
-
-
-def _earlier_rows() -> list[dict[str, Any]]:
-    """Rows of earlier runs (results/plan-quality.json); a re-run model replaces its row."""
-    path = RESULTS / "plan-quality.json"
-    if not path.exists():
-        return []
-    return json.loads(path.read_text())
 
 
 def _suite_order(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
