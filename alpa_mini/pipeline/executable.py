@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
+from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, capturing
 from ..graph.jaxpr_walk import flatten_calls
@@ -287,7 +288,7 @@ def _plan(forward, capture, avals, roles, method, cluster, progress) -> Pipeshar
     """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
     param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
     state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
-    return plan_pipeline(
+    plan = plan_pipeline(
         forward,
         capture,
         cluster,
@@ -296,3 +297,5 @@ def _plan(forward, capture, avals, roles, method, cluster, progress) -> Pipeshar
         param_bytes_total=param_bytes,
         progress=progress,
     )
+    release_free_memory()  # the cost tables and ILPs are garbage now
+    return plan

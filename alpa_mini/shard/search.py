@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, MemoryBudgetError
 from ..graph.op_graph import OpGraph
@@ -66,6 +67,7 @@ def plan_shard(
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
+    release_free_memory()  # each mesh's ILP is garbage now
     if not plans:
         _raise_nothing_fits(errors)
     best = min(plans, key=lambda p: p.predicted_time)
