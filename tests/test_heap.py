@@ -1,5 +1,6 @@
 """The planner's heap trim: pages freed on a worker thread go back to the OS."""
 
+import os
 import threading
 
 import pytest
@@ -9,7 +10,7 @@ from alpa_mini._heap import _malloc_trim, release_free_memory
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="no glibc malloc_trim here")
