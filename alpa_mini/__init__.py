@@ -10,7 +10,8 @@ descriptions stay free of JAX and Ray.
 """
 
 from ._lazy import lazy_exports
-from .cluster.spec import ClusterSpec, LogicalMesh
+from .cluster.spec import ClusterSpec
+from .cluster.spec import LogicalMesh as LogicalMesh  # kept importable; alpa_mini.cluster has it
 from .errors import (
     ConfigError,
     InfeasibleError,
@@ -36,6 +37,7 @@ _LAZY = {
     "Zero2Parallel": "options.shard",
     "Zero3Parallel": "options.shard",
     "current_cluster": "session.local",
+    "gather": "session.gather",
     "grad": "graph.micro_batch",
     "init": "session.local",
     "is_initialized": "session.local",
@@ -108,6 +110,7 @@ __all__ = [  # noqa: RUF022  (grouped: entry points, methods and options, plans,
     "grad",
     "value_and_grad",
     "mark_pipeline_boundary",
+    "gather",
     "ShardParallel",
     "DataParallel",
     "Zero2Parallel",
@@ -123,7 +126,6 @@ __all__ = [  # noqa: RUF022  (grouped: entry points, methods and options, plans,
     "Executable",
     "PipeshardExecutable",
     "ClusterSpec",
-    "LogicalMesh",
     "init",
     "shutdown",
     "is_initialized",

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ from jax.sharding import Mesh
 
 from .cluster.spec import ClusterSpec
 from .errors import ConfigError
+from .graph.grad_capture import trace_with_grads
 from .graph.planning_stats import PlanningStats
 from .graph.tracing import trace_jaxpr
 from .options.pipeshard import PipeshardParallel
@@ -34,7 +37,7 @@ from .session import local as device_setup
 from .shard.executable import Executable
 from .shard.lower import build_sharded_function
 from .shard.plan import MeshTrial, ShardingPlan
-from .shard.search import plan_shard
+from .shard.search import plan_shard, resized_plan
 
 if TYPE_CHECKING:
     from .pipeline.plan import PipeshardPlan
@@ -152,6 +155,7 @@ class ParallelizedFunction:
         self.donate_argnums = donate_argnums
         self.static_argnums = static_argnums
         self._cache: dict[Any, Executable] = {}
+        self._warned_replan = False
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any) -> Any:
@@ -174,8 +178,54 @@ class ParallelizedFunction:
         key = (call.in_tree, tuple((a.shape, a.dtype) for a in call.avals), call.static)
         key += (cluster.name,)
         if key not in self._cache:
-            self._cache[key] = self._compile(call, cluster)
+            self._cache[key] = self._resized(call, key, cluster) or self._compile(call, cluster)
         return self._cache[key]
+
+    # ------------------------------------------------------------ batch-size changes
+    def _resized(self, call: _Call, key: tuple, cluster: ClusterSpec) -> Executable | None:
+        """A cached plan reused for a new batch size: same step and cluster, only the batch
+        leaves' leading dimension changed, and the plan's layouts still divide the new shapes.
+        Otherwise None (the caller plans again; a warning says why, once)."""
+        similar = (
+            ex for k, ex in self._cache.items() if _only_batch_rows_differ(k, key, call.roles)
+        )
+        earlier = next(similar, None)
+        if earlier is None:
+            return None
+        if isinstance(earlier, Executable):
+            t0 = time.perf_counter()
+            traced = self._trace(call)
+            reason, plan = resized_plan(earlier.plan, traced.graph)
+            if plan is not None:
+                donated = self._donated(call.dynamic, call.owner, call.roles)
+                fn = build_sharded_function(
+                    traced.closed, traced.graph, plan, earlier.mesh, donate_argnums=donated
+                )
+                return dataclasses.replace(
+                    earlier,
+                    plan=plan,
+                    graph=traced.graph,
+                    jitted=fn,
+                    out_tree=traced.out_tree,
+                    avals=tuple(call.avals),
+                    planning_time=time.perf_counter() - t0,
+                    trace_time=traced.trace_seconds,
+                    donated=tuple(donated),
+                    _compiled=None,
+                )
+        else:
+            reason = _pipeshard_rows_reason(earlier.plan, call)
+            if reason is None:
+                method = dataclasses.replace(self.method, plan=earlier.plan)
+                return self._compile(call, cluster, method)
+        if not self._warned_replan:
+            self._warned_replan = True
+            warnings.warn(
+                f"{getattr(self.fun, '__name__', 'step')}: planning again for the new batch "
+                f"size: {reason}",
+                stacklevel=4,
+            )
+        return None
 
     def get_plan(
         self,
@@ -241,9 +291,9 @@ class ParallelizedFunction:
                 owner.append(i)
         return roles, owner
 
-    def _compile(self, call: _Call, cluster: ClusterSpec) -> Executable:
+    def _compile(self, call: _Call, cluster: ClusterSpec, method: Any = None) -> Executable:
         t0 = time.perf_counter()
-        method = self.method
+        method = self.method if method is None else method
         session = device_setup.ray_session()
         if isinstance(method, PipeshardParallel) and session is not None:
             from .pipeline.ray_driver import compile_pipeshard_ray
@@ -287,13 +337,17 @@ class ParallelizedFunction:
         method = self.method
 
         def flat_fun(*leaves: Any) -> list[Any]:
-            from .graph.micro_batch import micro_batches
-
-            with micro_batches(method.num_micro_batches):
-                return self._call_with(call.static, jax.tree.unflatten(call.in_tree, leaves))
+            return self._call_with(call.static, jax.tree.unflatten(call.in_tree, leaves))
 
         try:
-            closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*call.avals)
+            if method.num_micro_batches > 1:
+                B = method.num_micro_batches
+                traced = trace_with_grads(
+                    flat_fun, call.avals, call.roles, B, "accumulate", call.paths
+                )
+                closed, out_shape = traced.closed, traced.out_shape
+            else:  # plain jax.value_and_grad: nothing to split
+                closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*call.avals)
         except TypeError as err:
             if "is not a valid JAX type" in str(err):
                 raise TypeError(
@@ -351,6 +405,39 @@ class ParallelizedFunction:
         return [k for k, o in enumerate(owner) if o in chosen]
 
 
+def _only_batch_rows_differ(old: tuple, new: tuple, roles: Sequence[str]) -> bool:
+    """Whether two cache keys differ only in the leading dimension of batch leaves."""
+    (tree_a, avals_a, static_a, cluster_a), (tree_b, avals_b, static_b, cluster_b) = old, new
+    if (tree_a, static_a, cluster_a) != (tree_b, static_b, cluster_b) or avals_a == avals_b:
+        return False
+    for (sa, da), (sb, db), role in zip(avals_a, avals_b, roles, strict=True):
+        if da != db or len(sa) != len(sb) or sa[1:] != sb[1:]:
+            return False
+        if sa != sb and role != "batch":
+            return False
+    return True
+
+
+def _pipeshard_rows_reason(plan: PipeshardPlan, call: _Call) -> str | None:
+    """Why a pipeshard plan cannot take the new batch (None when it can): each micro-batch's
+    rows must still divide over every stage's devices."""
+    rows = {
+        a.shape[0] for a, r in zip(call.avals, call.roles, strict=True) if r == "batch" and a.shape
+    }
+    B = plan.num_micro_batches
+    for n in sorted(rows):
+        if n % B:
+            return f"{B} micro-batches do not divide a batch of {n} rows"
+        for k, stage in enumerate(plan.stages):
+            devices = math.prod(stage.logical_shape)
+            if (n // B) % devices:
+                return (
+                    f"a micro-batch of {n // B} rows does not divide over stage {k}'s "
+                    f"{devices} devices"
+                )
+    return None
+
+
 def _resolve_cluster(cluster: ClusterSpec | str | os.PathLike[str] | None) -> ClusterSpec:
     """The cluster ``plan`` plans for: given, or the one ``alpa_mini.init`` set up."""
     if isinstance(cluster, ClusterSpec):
@@ -377,7 +464,10 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
         arr = x if hasattr(x, "dtype") else np.asarray(x)
         dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-        return jax.ShapeDtypeStruct(np.shape(arr), dtype)
+        # Weak types survive (a Python number, flax's TrainState.step): the step's outputs
+        # keep them, so the next call sees the same types and is not retraced.
+        weak = getattr(x, "weak_type", False) or type(x) in (int, float, complex)
+        return jax.ShapeDtypeStruct(np.shape(arr), dtype, weak_type=bool(weak))
     raise TypeError(
         f"argument {name or '(top level)'}: {type(x).__name__} is not an array; parallelized "
         "functions take arrays and Python/NumPy numbers (mark other arguments static_argnums)"

@@ -243,7 +243,9 @@ def _num_layers(step: Any, args: tuple[Any, ...]) -> int:
     from alpa_mini.pipeline.layers import layer_starts
 
     flat, tree = jax.tree.flatten(args)
-    _, _, _, forward = trace_step(StepFun(step, (), tree), list(flat), 1)
+    roles = ["state"] * (len(flat) - len(jax.tree.leaves(args[-1])))
+    roles += ["batch"] * len(jax.tree.leaves(args[-1]))
+    _, _, _, forward = trace_step(StepFun(step, (), tree), list(flat), roles, 1)
     return len(layer_starts(forward, ManualLayerOption()))
 
 

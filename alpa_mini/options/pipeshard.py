@@ -56,15 +56,24 @@ def _shape(owner: str, name: str, value: object, dims: int | None = None) -> tup
 
 @dataclass(frozen=True)
 class AutoLayerOption:
-    """Cluster the forward into ``layer_num`` layers of balanced flops (within 1 + eps)."""
+    """Cluster the forward into ``layer_num`` layers of balanced flops (within 1 + eps).
+
+    eps None (the default) balances within 1.1 where the model allows it and otherwise as
+    tightly as it allows (the plan's ``layer_eps`` says which); a number is a strict limit.
+    """
 
     layer_num: int
-    eps: float = 0.1
+    eps: float | None = None
 
     def __post_init__(self) -> None:
         positive_int("AutoLayerOption.layer_num", self.layer_num)
-        if not self.eps >= 0:
-            raise ConfigError(f"AutoLayerOption.eps: {self.eps!r} is invalid; expected >= 0")
+        if self.eps is not None and not (
+            isinstance(self.eps, int | float) and not isinstance(self.eps, bool) and self.eps >= 0
+        ):
+            raise ConfigError(
+                f"AutoLayerOption.eps: {self.eps!r} is invalid; expected a number >= 0, or None "
+                "to relax the balance as far as the model needs"
+            )
 
 
 @dataclass(frozen=True)
@@ -135,24 +144,30 @@ class AutoStageOption:
 @dataclass(frozen=True)
 class UniformStageOption:
     """``num_stages`` stages of equal layer counts, each on a ``submesh_shape`` (hosts,
-    devices) submesh with logical mesh ``logical_shape`` (default: 1-D over the submesh).
+    devices) submesh (default: the cluster's devices divided evenly among the stages) with
+    logical mesh ``logical_shape`` (default: 1-D over the submesh).
 
     profiling: "whole" solves each distinct stage as one ILP; "individual" composes it from
     per-layer ILPs as ``AutoStageOption`` does (a few small ILPs instead of one per stage,
     which is how a grid of uniform configurations is screened quickly)."""
 
     num_stages: int
-    submesh_shape: tuple[int, int] = (1, 1)
+    submesh_shape: tuple[int, int] | None = None
     logical_shape: tuple[int, ...] | None = None
     profiling: Profiling = "whole"
 
     def __post_init__(self) -> None:
         positive_int("UniformStageOption.num_stages", self.num_stages)
         check_choice("UniformStageOption.profiling", self.profiling, get_args(Profiling))
-        sub = _shape("UniformStageOption", "submesh_shape", self.submesh_shape, 2)
-        object.__setattr__(self, "submesh_shape", sub)
+        sub = None
+        if self.submesh_shape is not None:
+            sub = _shape("UniformStageOption", "submesh_shape", self.submesh_shape, 2)
+            object.__setattr__(self, "submesh_shape", sub)
         if self.logical_shape is not None:
             log = _shape("UniformStageOption", "logical_shape", self.logical_shape)
+            object.__setattr__(self, "logical_shape", log)
+        if sub is not None and self.logical_shape is not None:
+            log = self.logical_shape
             if math.prod(log) != math.prod(sub):
                 raise ConfigError(
                     f"UniformStageOption.logical_shape: {log} has {math.prod(log)} devices but "

@@ -15,9 +15,11 @@ the first argument the parameters, leaves of any other argument optimiser/other 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, get_args
 
 from .._validate import check_choice, positive_int
 from ..errors import ConfigError
@@ -60,6 +62,30 @@ class ShardParallel:
     backend: Backend = "auto"
     time_limit: float = 60.0
     layout: Layout = "auto"
+    plan: Any = None  # a ShardingPlan to replay without planning (``from_plan``)
+
+    @classmethod
+    def from_plan(cls, plan: Any, **options: Any) -> ShardParallel:
+        """Replay a saved ``ShardingPlan`` (the object, its JSON text or a path to the JSON
+        file) without planning; the step it is used on must be the one it was made for."""
+        from ..shard.plan import ShardingPlan
+
+        is_json = isinstance(plan, str) and plan.lstrip().startswith("{")
+        if isinstance(plan, os.PathLike) or (isinstance(plan, str) and not is_json):
+            path = Path(plan)
+            if not path.is_file():
+                raise ConfigError(f"plan: {str(plan)!r} is neither plan JSON nor a file")
+            plan = path.read_text()
+        if isinstance(plan, str):
+            try:
+                plan = ShardingPlan.from_json(plan)
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                raise ConfigError(f"plan: not a saved ShardingPlan ({err!r})") from None
+        if not isinstance(plan, ShardingPlan):
+            raise ConfigError(
+                f"plan: {type(plan).__name__} is not a ShardingPlan, its JSON or a JSON file"
+            )
+        return cls(mesh_shape=plan.mesh_shape, plan=plan, **options)
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:

@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr
 
 from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
-from ..graph.grad_capture import GradCapture, capturing
+from ..graph.grad_capture import GradCapture, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import PipeshardParallel
@@ -175,7 +175,7 @@ def prepare_step(
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step."""
     t0 = time.perf_counter()
-    step, out_shape, capture, forward = trace_step(step_fun, avals, method.num_micro_batches)
+    step, out_shape, capture, forward = trace_step(step_fun, avals, roles, method.num_micro_batches)
     plan = method.plan
     if plan is None:
         trace_seconds = time.perf_counter() - t0
@@ -272,16 +272,15 @@ def _nbytes(a: Any) -> float:
     return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
 
 
-def trace_step(fun: Callable[..., Any], avals: list[Any], num_micro_batches: int) -> tuple:
+def trace_step(
+    fun: Callable[..., Any], avals: list[Any], roles: Sequence[str], num_micro_batches: int
+) -> tuple:
     """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
-    with capturing(num_micro_batches) as captures:
-        # A fresh closure each time: JAX caches traces by function, and an equal StepFun kept
-        # alive elsewhere (a traceback, a caller) would be served from that cache without
-        # running, so alpa_mini.grad would capture nothing.
-        step, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*avals)
+    traced = trace_with_grads(fun, avals, roles, num_micro_batches, "pipeline")
+    step = traced.closed
     g = grad_equation(step.jaxpr)
-    capture: GradCapture = captures[step.jaxpr.eqns[g].params["index"]]
-    return step, out_shape, capture, flatten_calls(capture.loss)
+    capture: GradCapture = traced.captures[step.jaxpr.eqns[g].params["index"]]
+    return step, traced.out_shape, capture, flatten_calls(capture.loss)
 
 
 def _plan(forward, capture, avals, roles, method, cluster, progress) -> PipeshardPlan:

@@ -9,28 +9,40 @@ flops, fewest bytes crossing a cut). A stage is a contiguous range of layers (``
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from ..graph.jaxpr_walk import eqn_total_flops
+from ..errors import ConfigError
+from ..graph.jaxpr_walk import eqn_total_flops, subjaxprs
 from ..graph.markers import MARKER_NAME
 from ..options.pipeshard import AutoLayerOption, ManualLayerOption
+from ..solvers.errors import InfeasibleError
 from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
 
 __all__ = [
     "cluster_layer_starts",
     "layer_hash",
     "layer_starts",
+    "layer_starts_and_eps",
     "marker_layer_starts",
 ]
 
 
 def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
     """Layer start indices from ``mark_pipeline_boundary`` equations (a layer ends after a
-    marker); markers at the very start or end add no empty layer."""
+    marker); markers at the very start or end add no empty layer. A marker nested inside a
+    ``scan``, ``while``, ``cond`` or ``checkpoint`` body cannot cut the loss and is refused."""
+    for i, eqn in enumerate(jaxpr.eqns):
+        if any(_has_marker(sub) for sub in subjaxprs(eqn)):
+            raise ConfigError(
+                f"mark_pipeline_boundary(): called inside a {eqn.primitive.name} body (loss "
+                f"equation {i}), where it cannot cut the loss into layers; call it between "
+                "the loop or remat block and its neighbours, or use AutoLayerOption"
+            )
     n = len(jaxpr.eqns)
     starts = [0]
     for i, eqn in enumerate(jaxpr.eqns):
@@ -39,9 +51,23 @@ def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tuple[int, ...]:
+#: The balance ``AutoLayerOption(eps=None)`` tries first.
+DEFAULT_EPS = 0.1
+
+
+def _has_marker(jaxpr: Jaxpr) -> bool:
+    return any(
+        e.primitive.name == MARKER_NAME or any(_has_marker(s) for s in subjaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
+def cluster_layer_starts(
+    jaxpr: Jaxpr, num_layers: int, eps: float | None = DEFAULT_EPS
+) -> tuple[tuple[int, ...], float]:
     """Layer starts chosen by ``solvers.layer_clustering``: flops within (1+eps)·mean per layer
-    while the largest activation crossing a cut is as small as possible."""
+    while the largest activation crossing a cut is as small as possible; and the eps used.
+    ``eps=None`` relaxes ``DEFAULT_EPS`` to the smallest eps that works when it does not."""
     eqns = jaxpr.eqns
     n = len(eqns)
     if n == 0:
@@ -68,8 +94,16 @@ def cluster_layer_starts(jaxpr: Jaxpr, num_layers: int, eps: float = 0.1) -> tup
         if n > 1
         else np.zeros(0)
     )
-    result = cluster_layers(flops, cuts, num_layers, eps)
-    return tuple(int(s) for s in result.layer_starts)
+    used = DEFAULT_EPS if eps is None else eps
+    try:
+        result = cluster_layers(flops, cuts, num_layers, used)
+    except InfeasibleError as err:
+        min_eps = (err.details or {}).get("min_eps")
+        if eps is not None or min_eps is None or not math.isfinite(min_eps):
+            raise
+        used = float(min_eps) * (1 + 1e-9) + 1e-12  # the bound itself, past rounding
+        result = cluster_layers(flops, cuts, num_layers, used)
+    return tuple(int(s) for s in result.layer_starts), used
 
 
 def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
@@ -99,6 +133,13 @@ def layer_starts(
     forward: ClosedJaxpr, option: AutoLayerOption | ManualLayerOption
 ) -> tuple[int, ...]:
     """Equation index where each layer starts: clustered, or at the user's markers."""
+    return layer_starts_and_eps(forward, option)[0]
+
+
+def layer_starts_and_eps(
+    forward: ClosedJaxpr, option: AutoLayerOption | ManualLayerOption
+) -> tuple[tuple[int, ...], float | None]:
+    """``layer_starts`` and the flop balance eps the clustering used (None for markers)."""
     if isinstance(option, AutoLayerOption):
         return cluster_layer_starts(forward.jaxpr, option.layer_num, option.eps)
-    return marker_layer_starts(forward.jaxpr)
+    return marker_layer_starts(forward.jaxpr), None

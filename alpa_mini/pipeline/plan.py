@@ -102,6 +102,8 @@ class PipeshardPlan:
     #: The cluster it was planned for, so that the plan can be simulated on its own (plans
     #: saved before this field name only ``cluster``).
     cluster_spec: ClusterSpec | None = None
+    #: The flop balance ``AutoLayerOption`` clustered layers within (None: markers).
+    layer_eps: float | None = None
 
     @property
     def num_stages(self) -> int:
@@ -126,6 +128,7 @@ class PipeshardPlan:
             "schedule": self.schedule,
             "num_micro_batches": self.num_micro_batches,
             "layer_starts": list(self.layer_starts),
+            "layer_eps": self.layer_eps,
             "num_equations": self.num_equations,
             "stages": [s.to_dict() for s in self.stages],
             "stage_problem": None if self.stage_problem is None else self.stage_problem.to_dict(),
@@ -168,6 +171,7 @@ class PipeshardPlan:
                 cluster_spec=None
                 if d.get("cluster_spec") is None
                 else ClusterSpec.from_dict(d["cluster_spec"]),
+                layer_eps=None if d.get("layer_eps") is None else float(d["layer_eps"]),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise ValueError(f"plan: missing or malformed field {err}") from None
@@ -180,6 +184,7 @@ class PipeshardPlan:
             title=f"Pipeshard plan: {self.num_stages} stages, {self.num_layers} layers, "
             f"{self.schedule}, B={self.num_micro_batches}, predicted "
             f"{self.predicted_time * 1e3:.3f} ms/iter"
+            + ("" if self.layer_eps is None else f", layer flops within 1+{self.layer_eps:.3g}")
         )
         for col in (
             "stage",

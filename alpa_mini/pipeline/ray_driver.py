@@ -182,6 +182,7 @@ class WorkerBuilder:
     donated: tuple[int, ...] = ()  # argument leaves the step may consume
     shard_state: bool = False  # optimiser state in ZeRO layouts (PipeshardParallel)
     fuse: bool = True  # PipeshardParallel.fuse_programs
+    roles: tuple[str, ...] = ()  # each argument leaf's role (batch leaves are split)
 
     def __call__(
         self, host: int, devices: Sequence[Any], group_devices: Sequence[Any] = ()
@@ -193,7 +194,7 @@ class WorkerBuilder:
 
         plan = PipeshardPlan.from_json(self.plan_json)
         B = plan.num_micro_batches
-        step, _, capture, forward = trace_step(self.step_fun, list(self.avals), B)
+        step, _, capture, forward = trace_step(self.step_fun, list(self.avals), self.roles, B)
         placed = []
         for s, st in enumerate(plan.stages):
             if group_devices:
@@ -508,6 +509,7 @@ def compile_pipeshard_ray(
         tuple(donated),
         method.shards_optimizer_state,
         method.fuse_programs,
+        tuple(roles),
     )
     built = ray.get([w.build.remote(builder) for w in session.workers])
     meta = built[0]["meta"]

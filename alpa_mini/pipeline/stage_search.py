@@ -31,7 +31,7 @@ from ..options.pipeshard import (
 from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .compose import _composed_row, _composed_stage, _layer_table, _LayerTable, _refine_configs
-from .layers import layer_starts
+from .layers import layer_starts_and_eps
 from .placement import _check_devices, assign_devices
 from .plan import PipeshardPlan, StagePlan
 from .stage_configs import StageConfig, _allowed_submeshes, _config_names, stage_configs
@@ -70,7 +70,7 @@ def plan_pipeline(
     """Layers, then stages (auto: cost table + DP; uniform; manual), each with its ILP plan:
     the ``PipeshardPlan`` of a traced step (``planning.trace_seconds`` left for the caller)."""
     t0 = time.perf_counter()
-    starts = layer_starts(forward, method.layer_option)
+    starts, layer_eps = layer_starts_and_eps(forward, method.layer_option)
     ends = (*starts[1:], len(forward.jaxpr.eqns))
     model = _StageModel(forward, capture, cluster, method, state_bytes_total, param_bytes_total)
     so = method.stage_option
@@ -86,6 +86,7 @@ def plan_pipeline(
     return PipeshardPlan(
         stages=stages,
         layer_starts=starts,
+        layer_eps=layer_eps,
         num_equations=len(forward.jaxpr.eqns),
         schedule=method.pipeline_schedule,
         num_micro_batches=method.num_micro_batches,
@@ -191,12 +192,19 @@ def _uniform_stages(model, starts, ends) -> _Chosen:
             f"UniformStageOption.num_stages: {S} stages but the step has only {L} layers"
         )
     bounds = [round(k * L / S) for k in range(S + 1)]
-    subs = [so.submesh_shape] * S
+    sub = so.submesh_shape or even_submesh(S, cluster)
+    if so.logical_shape is not None and math.prod(so.logical_shape) != sub[0] * sub[1]:
+        raise ConfigError(
+            f"UniformStageOption.logical_shape: {so.logical_shape} has "
+            f"{math.prod(so.logical_shape)} devices but each stage's submesh {sub} has "
+            f"{sub[0] * sub[1]}"
+        )
+    subs = [sub] * S
     _check_devices(subs, cluster)
     chosen = _Chosen(
         ranges=[(bounds[k], bounds[k + 1] - 1) for k in range(S)],
         subs=subs,
-        logicals=[so.logical_shape or (so.submesh_shape[0] * so.submesh_shape[1],)] * S,
+        logicals=[so.logical_shape or (sub[0] * sub[1],)] * S,
         devices=assign_devices(subs, cluster),
     )
     if so.profiling == "individual":
@@ -207,6 +215,21 @@ def _uniform_stages(model, starts, ends) -> _Chosen:
         # _composed_row) has no plan here.
         chosen.composed = [c if c is None or c.peak_memory <= budget else None for c in composed]
     return chosen
+
+
+def even_submesh(num_stages: int, cluster: ClusterSpec) -> tuple[int, int]:
+    """The (hosts, devices) submesh that divides ``cluster`` evenly among ``num_stages``
+    stages: whole hosts each, or an equal share of every host."""
+    H, D, S = cluster.num_hosts, cluster.devices_per_host, num_stages
+    if H % S == 0:
+        return (H // S, D)
+    if S % H == 0 and D % (S // H) == 0:
+        return (1, D // (S // H))
+    raise ConfigError(
+        f"UniformStageOption.num_stages: {S} stages cannot divide cluster {cluster.name} "
+        f"({H} hosts x {D} devices) evenly; pass submesh_shape, or use a stage count that "
+        f"divides {H} hosts or is a multiple of {H} dividing {H * D} devices"
+    )
 
 
 def _manual_stages(starts, cluster: ClusterSpec, so: ManualStageOption) -> _Chosen:

@@ -7,6 +7,7 @@ predicted, kind by kind.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ class Executable:
     trace_time: float
     donated: tuple[int, ...] = ()
     _compiled: Any = field(default=None, repr=False)
+    _warned_donation: bool = field(default=False, repr=False)
 
     # ------------------------------------------------------------------ running
     @property
@@ -83,13 +85,15 @@ class Executable:
 
     def __call__(self, *args: Any) -> Any:
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
-        placed = []
+        placed, moved = [], []
         donated, seen = set(self.donated), set()
         for k, (x, sharding) in enumerate(zip(flat, self.input_shardings, strict=True)):
             original = id(x)
             current = getattr(x, "sharding", None)
             if current is None or not current.is_equivalent_to(sharding, getattr(x, "ndim", 0)):
                 x = jax.device_put(x, sharding)  # may share the original's buffer on a device
+                if k in donated and current is not None:
+                    moved.append(k)
             if k in donated:
                 # One array passed as two donated leaves would be donated twice (jaxlib
                 # crashes on that with sharded arrays): donate a fresh copy the second time.
@@ -97,6 +101,15 @@ class Executable:
                     x = x.copy()
                 seen.add(original)
             placed.append(x)
+        if moved and not self._warned_donation:
+            self._warned_donation = True
+            warnings.warn(
+                f"{self.fun_name}: donated argument leaves {moved[:8]}"
+                f"{' ...' if len(moved) > 8 else ''} are not in their planned layouts; each is "
+                "copied into its layout and the copy donated, so the caller's array survives "
+                "(pass the previous step's outputs to donate without a copy)",
+                stacklevel=2,
+            )
         out = self.jitted(*placed)
         return jax.tree.unflatten(self.out_tree, out)
 

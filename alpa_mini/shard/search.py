@@ -28,6 +28,60 @@ __all__ = ["AXIS_NAMES", "plan_shard"]
 AXIS_NAMES = ("x", "y", "z")
 
 
+def check_replayed_plan(plan: ShardingPlan, graph: OpGraph, cluster: ClusterSpec) -> None:
+    """Refuse a saved plan that was made for another step or another device count."""
+    devices = math.prod(plan.mesh_shape)
+    if devices != cluster.num_devices:
+        raise ConfigError(
+            f"plan: made for a mesh {plan.mesh_shape} of {devices} devices; cluster "
+            f"{cluster.name} has {cluster.num_devices}"
+        )
+    problems = []
+    if len(plan.nodes) != len(graph.nodes) or len(plan.tensors) != len(graph.tensors):
+        problems.append(
+            f"{len(plan.nodes)} operators and {len(plan.tensors)} tensors in the plan, "
+            f"{len(graph.nodes)} and {len(graph.tensors)} in this step"
+        )
+    elif tuple(plan.inputs) != tuple(graph.inputs) or tuple(plan.outputs) != tuple(graph.outputs):
+        problems.append("its inputs or outputs are other tensors")
+    else:
+        for t, g in zip(plan.tensors, graph.tensors, strict=True):
+            if tuple(t.shape) != tuple(g.shape) or t.dtype != g.dtype:
+                problems.append(f"tensor {t.name or g.id} is {t.dtype}{list(t.shape)} in the "
+                                f"plan and {g.dtype}{list(g.shape)} here")  # fmt: skip
+                break
+        for n, g in zip(plan.nodes, graph.nodes, strict=True):
+            if n.primitive != g.primitive:
+                problems.append(f"operator {g.id} is {n.primitive} in the plan and {g.primitive} "
+                                "here")  # fmt: skip
+                break
+    if problems:
+        raise ConfigError(f"plan: made for another step: {problems[0]}")
+
+
+def resized_plan(plan: ShardingPlan, graph: OpGraph) -> tuple[str, ShardingPlan | None]:
+    """``plan`` for the same step with other batch rows (``graph``): the same layouts on the
+    new shapes, or why they do not fit (the structure differs, or a split stops dividing)."""
+    if (
+        len(plan.nodes) != len(graph.nodes)
+        or len(plan.tensors) != len(graph.tensors)
+        or any(n.primitive != g.primitive for n, g in zip(plan.nodes, graph.nodes, strict=True))
+    ):
+        return "the traced step has another structure on this batch size", None
+    tensors = []
+    for t, g in zip(plan.tensors, graph.tensors, strict=True):
+        if t.spec is not None:
+            for d, axes in enumerate(t.spec.dims):
+                parts = math.prod(plan.mesh_shape[a] for a in axes)
+                if g.shape[d] % parts:
+                    return (
+                        f"tensor {t.name or g.id} {list(g.shape)} no longer divides its "
+                        f"dimension {d} into {parts} parts as planned"
+                    ), None
+        tensors.append(dataclasses.replace(t, shape=tuple(g.shape)))
+    return "", dataclasses.replace(plan, tensors=tuple(tensors))
+
+
 def plan_shard(
     graph: OpGraph,
     cluster: ClusterSpec,
@@ -43,7 +97,11 @@ def plan_shard(
     Shapes where nothing fits the memory budget are skipped; when none fits, the error names
     the smallest budget found. Invalid requests (an explicit mesh shape or layout that cannot
     be planned) raise ``ConfigError``. ``on_trial`` hears of each mesh as soon as it is
-    planned; the returned plan's ``mesh_search`` lists them all."""
+    planned; the returned plan's ``mesh_search`` lists them all. ``method.plan`` (a saved
+    plan) is checked against the graph and returned instead."""
+    if method.plan is not None:
+        check_replayed_plan(method.plan, graph, cluster)
+        return method.plan
     plans, trials, errors = [], [], []
     for shape in method.mesh_shapes(cluster.num_devices, cluster.devices_per_host):
         t0 = time.perf_counter()

@@ -363,6 +363,51 @@ def _pad(node, shapes, outs) -> LoopNest:
     return LoopNest(tuple(out), (ident, () if shapes[1] == () else None), (ident,), (), fixed)
 
 
+def _windowed(node, shapes, outs) -> LoopNest:
+    """Pooling (``reduce_window_*``) and its gradients (``select_and_scatter_add``,
+    ``select_and_gather_add``): a dimension the window moves along is never split (a shard's
+    windows would need its neighbours' rows); the others (batch, channels) split freely."""
+    p = node.params
+    rank = len(outs[0])
+    trivial = {
+        d
+        for d in range(rank)
+        if p["window_dimensions"][d] == 1
+        and p["window_strides"][d] == 1
+        and tuple(p["padding"][d]) == (0, 0)
+        and p.get("base_dilation", (1,) * rank)[d] == 1
+        and p.get("window_dilation", (1,) * rank)[d] == 1
+    }
+    ident = tuple(range(rank))
+    ops = tuple(None if s is None else ident if len(s) == rank else _raise() for s in shapes)
+    fixed = frozenset(d for d in range(rank) if d not in trivial)
+    return LoopNest(tuple(outs[0]), ops, (ident,), (), fixed)
+
+
+def _random_bits(node, shapes, outs) -> LoopNest:
+    """Random bits from one key: each shard draws its own slice (JAX's threefry is
+    partitionable, so the bits equal the unsharded ones)."""
+    if shapes[0] != ():
+        _raise()
+    return LoopNest(tuple(outs[0]), ((),), (tuple(range(len(outs[0]))),))
+
+
+def _key_op(node, shapes, outs) -> LoopNest:
+    """PRNG key plumbing (``random_wrap``/``unwrap``/``fold_in``/``split``-like): the leading
+    (batch-of-keys) dimensions split like an elementwise op, the key data dims never."""
+    rank = min(len(x) for x in [*outs, *(s for s in shapes if s is not None)])
+    ops = []
+    for s in shapes:
+        if s is None or len(s) == 0:
+            ops.append(None if s is None else ())
+        elif len(s) >= rank:
+            ops.append(tuple(range(rank)) + (None,) * (len(s) - rank))
+        else:
+            _raise()
+    maps = tuple(tuple(range(rank)) + (None,) * (len(o) - rank) for o in outs)
+    return LoopNest(tuple(outs[0][:rank]), tuple(ops), maps)
+
+
 def _concatenate(node, shapes, outs) -> LoopNest:
     out = outs[0]
     ident = tuple(range(len(out)))
@@ -500,6 +545,16 @@ _RULES: dict[str, Callable[..., LoopNest]] = {
     "scatter_add": _scatter,
     "scatter": _scatter,
     "top_k": _top_k,
+    "reduce_window_sum": _windowed,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
+    "select_and_scatter_add": _windowed,
+    "select_and_gather_add": _windowed,
+    "random_bits": _random_bits,
+    "random_wrap": _key_op,
+    "random_unwrap": _key_op,
+    "random_fold_in": _key_op,
+    "random_seed": _key_op,
     "sort": _same_shape_fixed(lambda n, r: {n.params["dimension"] % r}),
     "rev": _same_shape_fixed(lambda n, r: set(n.params["dimensions"])),
     "scan_identity": _scan_boundary,

@@ -60,3 +60,24 @@ def test_stage_sharding_options_refuse_fields_stages_ignore(field) -> None:
         PipeshardParallel(default_auto_sharding_option=ShardParallel(**field))
     used = ShardParallel(layout="zero3", backend="cbc", time_limit=5.0, batch_axis=0)
     assert PipeshardParallel(default_auto_sharding_option=used).default_auto_sharding_option == used
+
+
+@pytest.mark.parametrize(
+    ("stages", "cluster", "submesh"),
+    [(1, "cpu-1x8", (1, 8)), (2, "cpu-1x8", (1, 4)), (8, "cpu-1x8", (1, 1)),
+     (2, "cpu-2x4", (1, 4)), (4, "cpu-2x4", (1, 2)), (1, "cpu-2x4", (2, 4))],
+)  # fmt: skip
+def test_uniform_stages_divide_every_device_evenly_by_default(stages, cluster, submesh) -> None:
+    from alpa_mini import ClusterSpec
+    from alpa_mini.pipeline.stage_search import even_submesh
+
+    assert UniformStageOption(stages).submesh_shape is None
+    assert even_submesh(stages, ClusterSpec.named(cluster)) == submesh
+
+
+def test_an_uneven_default_split_names_the_stage_count() -> None:
+    from alpa_mini import ClusterSpec
+    from alpa_mini.pipeline.stage_search import even_submesh
+
+    with pytest.raises(ConfigError, match=r"num_stages: 3 stages cannot divide cluster cpu-1x8"):
+        even_submesh(3, ClusterSpec.named("cpu-1x8"))

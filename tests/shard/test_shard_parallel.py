@@ -149,6 +149,51 @@ def test_plan_json_round_trip(devices4) -> None:
     assert again == ex.plan
 
 
+def test_a_saved_plan_replays_without_planning_and_refuses_another_step(
+    devices4, tmp_path, monkeypatch
+) -> None:
+    from alpa_mini import ConfigError
+    from alpa_mini.shard import search
+
+    args = mlp_inputs(64, 32)
+    planned = alpa_mini.parallelize(sgd_step, method=ShardParallel(mesh_shape=(4,)))
+    ex = planned.get_executable(*args)
+    path = tmp_path / "plan.json"
+    path.write_text(ex.plan.to_json())
+
+    def no_planning(*a, **k):
+        raise AssertionError("a replayed plan must not be planned again")
+
+    monkeypatch.setattr(search, "_plan_on", no_planning)
+    for saved in (ex.plan.to_json(), path, str(path)):
+        replay = alpa_mini.parallelize(sgd_step, method=ShardParallel.from_plan(saved))
+        assert replay.get_executable(*args).plan == ex.plan
+        want, got = planned(*args), replay(*args)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = alpa_mini.parallelize(sgd_step, method=ShardParallel.from_plan(path))
+    with pytest.raises(ConfigError, match=r"plan: made for another step: .*tensor"):
+        other.get_executable(*mlp_inputs(64, 16))
+    with pytest.raises(ConfigError, match=r"plan: 'nowhere\.json' is neither plan JSON nor a file"):
+        ShardParallel.from_plan("nowhere.json")
+
+
+def test_donated_inputs_outside_the_layout_are_copied_with_one_warning(devices4) -> None:
+    import warnings
+
+    args = mlp_inputs(64, 32)  # arrays on one device: not the plan's layout
+    step = alpa_mini.parallelize(
+        sgd_step, method=ShardParallel(mesh_shape=(4,)), donate_argnums=(0,)
+    )
+    with pytest.warns(UserWarning, match=r"donated argument leaves \[0, 1\] are not in their"):
+        p, _ = step(*args)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(args[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(p, *args[1:])
+    assert all(x.is_deleted() for x in jax.tree.leaves(p))
+
+
 @pytest.mark.parametrize("mesh", [(8,), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_gpt_collectives_in_hlo_equal_the_plans_prediction(devices8, mesh) -> None:
     from alpa_mini.models import GPT_TINY, gpt_loss, init_gpt, make_gpt_batch, make_train_step, sgd
