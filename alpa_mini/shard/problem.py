@@ -28,7 +28,8 @@ from ..solvers import (
     SolverTimeLimitError,
     solve_sharding,
 )
-from ..solvers.sharding.problem import FORBIDDEN_COST
+from ..solvers.sharding.problem import FORBIDDEN_COST, evaluate
+from ..solvers.sharding.tie import repeated_groups, tie_nodes, untie_choice
 from .cost_model import CostModel
 from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
 from .spec import ShardingSpec
@@ -51,6 +52,10 @@ SpecFilter = Callable[[ShardingSpec], bool]
 HEURISTIC_MIN_CORE_STRATEGIES = 8000
 #: The whole MIP is tried below this many columns (solvers' default is tuned for IOPDDL).
 FULL_MIP_MAX_COLUMNS = 3_000_000
+#: Refinement rounds that decide which ILP nodes are alike (``solvers.sharding.tie``): on
+#: unrolled GPT-2 1.3B, 4 rounds tie nodes of different roles and the tied MIP gets hard; 6
+#: keep the layers' positions apart and solve it in seconds (12 barely tie anything).
+TIE_ROUNDS = 6
 #: Alternatives a plan keeps per choice besides the chosen and the replicated strategy: enough
 #: to explain a choice while a plan of an unrolled 11k-node graph stays small.
 MAX_ALTERNATIVES = 6
@@ -300,8 +305,14 @@ def plan_sharding(
     memory_budget: float | None = None,
     backend: str = "auto",
     time_limit: float | None = 60.0,
+    tie_repeats: bool = False,
 ) -> ShardingPlan:
-    """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits."""
+    """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
+
+    ``tie_repeats``: where repeated layers make at least half the ILP's nodes alike
+    (``solvers.sharding.tie``), solve with each group of alike nodes tied to one choice, as a
+    scanned stack is planned; the full ILP is solved instead when the tied one has no plan.
+    """
     t0 = time.perf_counter()
     inst = build_sharding_problem(
         graph,
@@ -314,21 +325,8 @@ def plan_sharding(
     )
     build_time = time.perf_counter() - t0
     try:
-        # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a
-        # short local-search incumbent only pays on big cores (3-D meshes), where HiGHS can
-        # otherwise run out of time before its first feasible point.
-        sol = solve_sharding(
-            inst.problem,
-            backend=backend,
-            time_limit=time_limit,
-            heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
-            heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
-            # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past
-            # the contest-tuned column cap, where region-by-region search runs to the limit.
-            full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
-            # Planner MIPs nearly always have integral LP relaxations: settle them by LP.
-            lp_first=True,
-        )
+        sol = _solve_tied(inst.problem, backend, time_limit) if tie_repeats else None
+        sol = sol or _solve(inst.problem, backend, time_limit)
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(
             f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
@@ -346,6 +344,64 @@ def plan_sharding(
             min_peak,
         ) from None
     return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+
+
+def _solve(problem: ShardingProblem, backend: str, time_limit: float | None) -> ShardingSolution:
+    # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a short
+    # local-search incumbent only pays on big cores (3-D meshes), where HiGHS can otherwise
+    # run out of time before its first feasible point.
+    return solve_sharding(
+        problem,
+        backend=backend,
+        time_limit=time_limit,
+        heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
+        heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
+        # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past the
+        # contest-tuned column cap, where region-by-region search runs to the limit.
+        full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
+        # Planner MIPs nearly always have integral LP relaxations: settle them by LP.
+        lp_first=True,
+    )
+
+
+def _solve_tied(
+    problem: ShardingProblem, backend: str, time_limit: float | None
+) -> ShardingSolution | None:
+    """The solution with alike nodes tied (see ``plan_sharding``), read back as a solution of
+    ``problem``; None when tying would not halve the problem or the tied one has no plan."""
+    groups = repeated_groups(problem, rounds=TIE_ROUNDS)
+    num_groups = int(groups.max()) + 1 if len(groups) else 0
+    if num_groups > problem.num_nodes // 2:
+        return None
+    t0 = time.perf_counter()
+    tied_problem = tie_nodes(problem, groups)
+    # First without the memory limit: a tied group's usage is a conservative hull, and its
+    # constraint rows are dense, which makes the MIP much harder. When the best tied plan
+    # without the limit fits untied, it is also the best tied plan with it.
+    for limit in (None, tied_problem.usage_limit):
+        try:
+            tied = _solve(tied_problem.with_usage_limit(limit), backend, time_limit)
+        except (InfeasibleError, SolverTimeLimitError):
+            return None
+        choice = untie_choice(groups, tied.choice)
+        ev = evaluate(problem, choice)
+        if ev.feasible or limit is not None:
+            break
+    if not ev.feasible:
+        return None
+    reduction = {**tied.reduction, "tied": (problem.num_nodes, num_groups)}
+    return dataclasses.replace(
+        tied,
+        choice=tuple(int(c) for c in choice),
+        objective=ev.cost,
+        node_cost=ev.node_cost,
+        edge_cost=ev.edge_cost,
+        peak_usage=ev.peak_usage,
+        gap=tied.gap,
+        lower_bound=None,  # a bound of the tied problem, not of this one
+        solve_time=time.perf_counter() - t0,
+        reduction=reduction,
+    )
 
 
 def read_plan(
@@ -379,6 +435,7 @@ def read_plan(
         "nodes": inst.problem.num_nodes,
         "edges": inst.problem.num_edges,
         "core_nodes": core,
+        "tied": sol.reduction.get("tied"),  # (ILP nodes, groups solved) when tied
     }
     return ShardingPlan(
         mesh_shape=tuple(cost.mesh.shape),

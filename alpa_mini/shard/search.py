@@ -165,6 +165,7 @@ def _plan_on(
         memory_budget=method.memory_budget or cluster.device.memory_bytes,
         backend=method.backend,
         time_limit=method.time_limit,
+        tie_repeats=True,  # unrolled repeated layers plan as fast as a scanned stack
     )
 
 
