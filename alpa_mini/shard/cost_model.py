@@ -108,8 +108,22 @@ class CostModel:
         srcs: Sequence[ShardingSpec],
         dsts: Sequence[ShardingSpec],
     ) -> list[list[float]]:
-        """``reshard`` for every (src, dst) pair; the planner's hot loop, so it keeps one
-        small cache per tensor shape instead of building a key per pair."""
+        """``reshard`` for every (src, dst) pair; the planner's hot loop, so whole tables are
+        kept (repeated layers ask for the same ones) and, below them, one small cache per
+        tensor shape instead of a key per pair."""
+        table_key = ("table", tuple(shape), itemsize, tuple(srcs), tuple(dsts))
+        table = self._reshard_cache.get(table_key)
+        if table is None:
+            table = self._reshard_cache[table_key] = self._reshard_rows(shape, itemsize, srcs, dsts)
+        return table
+
+    def _reshard_rows(
+        self,
+        shape: tuple[int, ...],
+        itemsize: int,
+        srcs: Sequence[ShardingSpec],
+        dsts: Sequence[ShardingSpec],
+    ) -> list[list[float]]:
         times = self._reshard_cache.setdefault(("times", tuple(shape), itemsize), {})
         rows = []
         for s in srcs:

@@ -88,7 +88,8 @@ def build_sharding_problem(
     alias_of_output = {o: i for i, o in aliases}
     twins = symmetric_axis_pairs(cost)
     strategies = _input_strategies(graph, cost, list(input_filters or [None] * n_in), twins)
-    strategies += [_op_strategies(node, graph, cost) for node in graph.nodes]
+    seen: dict[Any, tuple[Strategy, ...]] = {}
+    strategies += [_op_strategies(node, graph, cost, seen) for node in graph.nodes]
     filters = list(output_filters or [None] * n_out)
     strategies += _output_strategies(graph, cost, filters, alias_of_output, twins)
     edges, edge_info = _edges(graph, cost, strategies, alias_of_output)
@@ -139,14 +140,29 @@ def _input_strategies(
     return out
 
 
-def _op_strategies(node: Any, graph: OpGraph, cost: CostModel) -> tuple[Strategy, ...]:
-    """An operator's strategies (warning once per primitive that has no sharding rule)."""
-    if node.kind == "op" and loop_nest(node, graph) is None and node.primitive not in _warned:
+def _op_strategies(
+    node: Any, graph: OpGraph, cost: CostModel, seen: dict[Any, tuple[Strategy, ...]]
+) -> tuple[Strategy, ...]:
+    """An operator's strategies (warning once per primitive that has no sharding rule).
+    ``seen`` holds those of operators alike in everything strategies depend on: the loop
+    nest, shapes, dtypes, work and scales (the same operator in each repeated layer)."""
+    nest = loop_nest(node, graph) if node.kind != "opaque" else None
+    if node.kind == "op" and nest is None and node.primitive not in _warned:
         _warned.add(node.primitive)
         log.warning(
             "alpa_mini has no sharding rule for primitive %r; it runs replicated", node.primitive
         )
-    return tuple(node_strategies(node, graph, cost))
+    if nest is None:  # replicated: cheap, and priced from the node itself
+        return tuple(node_strategies(node, graph, cost))
+    outs = tuple((graph.tensors[t].shape, graph.tensors[t].dtype, graph.tensors[t].itemsize)
+                 for t in node.outputs)  # fmt: skip
+    ins = tuple(None if t is None else graph.tensors[t].shape for t in node.inputs)
+    key = (node.primitive, node.kind, nest, ins, outs, node.flops, node.bytes_accessed,
+           node.multiplier, node.comm_scale)  # fmt: skip
+    found = seen.get(key)
+    if found is None:
+        found = seen[key] = tuple(node_strategies(node, graph, cost))
+    return found
 
 
 def _output_strategies(
@@ -346,7 +362,9 @@ def plan_sharding(
     return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
 
 
-def _solve(problem: ShardingProblem, backend: str, time_limit: float | None) -> ShardingSolution:
+def _solve(
+    problem: ShardingProblem, backend: str, time_limit: float | None, heuristic: bool = True
+) -> ShardingSolution:
     # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a short
     # local-search incumbent only pays on big cores (3-D meshes), where HiGHS can otherwise
     # run out of time before its first feasible point.
@@ -355,7 +373,7 @@ def _solve(problem: ShardingProblem, backend: str, time_limit: float | None) -> 
         backend=backend,
         time_limit=time_limit,
         heuristic_time=min(2.0, 0.1 * time_limit) if time_limit else 2.0,
-        heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES,
+        heuristic_min_strategies=HEURISTIC_MIN_CORE_STRATEGIES if heuristic else 2**62,
         # Planner MIPs are sparse chains; HiGHS proves them whole in seconds well past the
         # contest-tuned column cap, where region-by-region search runs to the limit.
         full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
@@ -380,7 +398,10 @@ def _solve_tied(
     # without the limit fits untied, it is also the best tied plan with it.
     for limit in (None, tied_problem.usage_limit):
         try:
-            tied = _solve(tied_problem.with_usage_limit(limit), backend, time_limit)
+            # Without the limit the LP relaxation settles it: no local-search incumbent.
+            tied = _solve(
+                tied_problem.with_usage_limit(limit), backend, time_limit, limit is not None
+            )
         except (InfeasibleError, SolverTimeLimitError):
             return None
         choice = untie_choice(groups, tied.choice)
