@@ -113,19 +113,10 @@ class CostModel:
         tensor shape instead of a key per pair."""
         table_key = ("table", tuple(shape), itemsize, tuple(srcs), tuple(dsts))
         table = self._reshard_cache.get(table_key)
-        if table is None:
-            table = self._reshard_cache[table_key] = self._reshard_rows(shape, itemsize, srcs, dsts)
-        return table
-
-    def _reshard_rows(
-        self,
-        shape: tuple[int, ...],
-        itemsize: int,
-        srcs: Sequence[ShardingSpec],
-        dsts: Sequence[ShardingSpec],
-    ) -> list[list[float]]:
+        if table is not None:
+            return table
         times = self._reshard_cache.setdefault(("times", tuple(shape), itemsize), {})
-        rows = []
+        table = []
         for s in srcs:
             row = []
             for d in dsts:
@@ -133,8 +124,9 @@ class CostModel:
                 if t is None:
                     t = times[(s, d)] = self.reshard(shape, itemsize, s, d)
                 row.append(t)
-            rows.append(row)
-        return rows
+            table.append(row)
+        self._reshard_cache[table_key] = table
+        return table
 
     def reshard_steps(
         self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
