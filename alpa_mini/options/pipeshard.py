@@ -173,7 +173,6 @@ class UniformStageOption:
                     f"UniformStageOption.logical_shape: {log} has {math.prod(log)} devices but "
                     f"submesh_shape {sub} has {math.prod(sub)}"
                 )
-            object.__setattr__(self, "logical_shape", log)
 
 
 @dataclass(frozen=True)

@@ -418,7 +418,6 @@ def _solve_tied(
         node_cost=ev.node_cost,
         edge_cost=ev.edge_cost,
         peak_usage=ev.peak_usage,
-        gap=tied.gap,
         lower_bound=None,  # a bound of the tied problem, not of this one
         solve_time=time.perf_counter() - t0,
         reduction=reduction,

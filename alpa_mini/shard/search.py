@@ -36,38 +36,40 @@ def check_replayed_plan(plan: ShardingPlan, graph: OpGraph, cluster: ClusterSpec
             f"plan: made for a mesh {plan.mesh_shape} of {devices} devices; cluster "
             f"{cluster.name} has {cluster.num_devices}"
         )
-    problems = []
+    problem = _other_structure(plan, graph) or next(
+        (
+            f"tensor {t.name or g.id} is {t.dtype}{list(t.shape)} in the plan and "
+            f"{g.dtype}{list(g.shape)} here"
+            for t, g in zip(plan.tensors, graph.tensors, strict=True)
+            if tuple(t.shape) != tuple(g.shape) or t.dtype != g.dtype
+        ),
+        None,
+    )
+    if problem:
+        raise ConfigError(f"plan: made for another step: {problem}")
+
+
+def _other_structure(plan: ShardingPlan, graph: OpGraph) -> str | None:
+    """How ``graph`` differs from the one ``plan`` was made for, shapes aside (None: alike)."""
     if len(plan.nodes) != len(graph.nodes) or len(plan.tensors) != len(graph.tensors):
-        problems.append(
+        return (
             f"{len(plan.nodes)} operators and {len(plan.tensors)} tensors in the plan, "
             f"{len(graph.nodes)} and {len(graph.tensors)} in this step"
         )
-    elif tuple(plan.inputs) != tuple(graph.inputs) or tuple(plan.outputs) != tuple(graph.outputs):
-        problems.append("its inputs or outputs are other tensors")
-    else:
-        for t, g in zip(plan.tensors, graph.tensors, strict=True):
-            if tuple(t.shape) != tuple(g.shape) or t.dtype != g.dtype:
-                problems.append(f"tensor {t.name or g.id} is {t.dtype}{list(t.shape)} in the "
-                                f"plan and {g.dtype}{list(g.shape)} here")  # fmt: skip
-                break
-        for n, g in zip(plan.nodes, graph.nodes, strict=True):
-            if n.primitive != g.primitive:
-                problems.append(f"operator {g.id} is {n.primitive} in the plan and {g.primitive} "
-                                "here")  # fmt: skip
-                break
-    if problems:
-        raise ConfigError(f"plan: made for another step: {problems[0]}")
+    if tuple(plan.inputs) != tuple(graph.inputs) or tuple(plan.outputs) != tuple(graph.outputs):
+        return "its inputs or outputs are other tensors"
+    for n, g in zip(plan.nodes, graph.nodes, strict=True):
+        if n.primitive != g.primitive:
+            return f"operator {g.id} is {n.primitive} in the plan and {g.primitive} here"
+    return None
 
 
 def resized_plan(plan: ShardingPlan, graph: OpGraph) -> tuple[str, ShardingPlan | None]:
     """``plan`` for the same step with other batch rows (``graph``): the same layouts on the
     new shapes, or why they do not fit (the structure differs, or a split stops dividing)."""
-    if (
-        len(plan.nodes) != len(graph.nodes)
-        or len(plan.tensors) != len(graph.tensors)
-        or any(n.primitive != g.primitive for n, g in zip(plan.nodes, graph.nodes, strict=True))
-    ):
-        return "the traced step has another structure on this batch size", None
+    other = _other_structure(plan, graph)
+    if other:
+        return f"the traced step has another structure on this batch size ({other})", None
     tensors = []
     for t, g in zip(plan.tensors, graph.tensors, strict=True):
         if t.spec is not None:

@@ -396,16 +396,12 @@ def _key_op(node, shapes, outs) -> LoopNest:
     """PRNG key plumbing (``random_wrap``/``unwrap``/``fold_in``/``split``-like): the leading
     (batch-of-keys) dimensions split like an elementwise op, the key data dims never."""
     rank = min(len(x) for x in [*outs, *(s for s in shapes if s is not None)])
-    ops = []
-    for s in shapes:
-        if s is None or len(s) == 0:
-            ops.append(None if s is None else ())
-        elif len(s) >= rank:
-            ops.append(tuple(range(rank)) + (None,) * (len(s) - rank))
-        else:
-            _raise()
-    maps = tuple(tuple(range(rank)) + (None,) * (len(o) - rank) for o in outs)
-    return LoopNest(tuple(outs[0][:rank]), tuple(ops), maps)
+
+    def leading(shape: tuple[int, ...]) -> Map:
+        return tuple(range(rank)) + (None,) * (len(shape) - rank)
+
+    ops = tuple(None if s is None else leading(s) for s in shapes)
+    return LoopNest(tuple(outs[0][:rank]), ops, tuple(leading(o) for o in outs))
 
 
 def _concatenate(node, shapes, outs) -> LoopNest:
