@@ -20,14 +20,16 @@ from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
+from ..graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
 from ..inspect.program_collectives import StepCollectives, step_collectives
-from ..options.pipeshard import PipeshardParallel
+from ..options.pipeshard import AutoLayerOption, PipeshardParallel
 from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
-from .plan import PipeshardPlan
+from .plan import PipeshardPlan, ScanSplit
 from .schedules import make_schedule
+from .stacked_rows import join_rows, take_rows
 from .stage_search import plan_pipeline
 
 __all__ = [
@@ -35,9 +37,12 @@ __all__ = [
     "PreparedStep",
     "StepFun",
     "add_buffers",
+    "apply_scan_splits",
+    "arg_layouts",
     "compile_pipeshard",
     "plan_pipeshard",
     "prepare_step",
+    "split_leaf_indices",
     "stage_lowerings",
     "trace_step",
 ]
@@ -56,6 +61,8 @@ class PipeshardExecutable:
     static_argnums: tuple[int, ...]
     planning_time: float
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The user's flat leaves <-> the step's when scanned stacks are split into row pieces.
+    pieces: PieceMap | None = None
 
     def __call__(self, *args: Any) -> Any:
         return self._run(args, None)
@@ -68,6 +75,11 @@ class PipeshardExecutable:
 
     def _run(self, args: tuple[Any, ...], timeline: list[InstructionTiming] | None) -> Any:
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        if self.pieces is not None:
+            layouts = self.extra.get("arg_layouts") or self.extra.setdefault(
+                "arg_layouts", arg_layouts(self.compiled)
+            )
+            flat = self.pieces.split_inputs(flat, lambda x, a, b, i: take_rows(x, a, b, layouts[i]))
         self._check_donated(flat)
         buffers = {name: leaf for name, leaf in zip(self.compiled.arg_names, flat, strict=True)}
         buffers = self.runtime.execute(self.compiled.stream, buffers, timeline)
@@ -75,6 +87,8 @@ class PipeshardExecutable:
             self.compiled.out_literals[o] if n is None else buffers[n]
             for o, n in enumerate(self.compiled.out_names)
         ]
+        if self.pieces is not None:
+            outs = self.pieces.join_outputs(outs, lambda parts: join_rows(parts, self.fun_name))
         return jax.tree.unflatten(self.out_tree, outs)
 
     def _check_donated(self, flat: list[Any]) -> None:
@@ -156,13 +170,16 @@ _ADD = jax.jit(jnp.add)
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """A pipeshard step traced with ``alpa_mini.grad`` captured, and its plan."""
+    """A pipeshard step traced with ``alpa_mini.grad`` captured, and its plan. With the
+    plan's scan splits applied, ``step`` reads row pieces of stacked leaves: ``pieces``
+    maps the user's flat leaves to its own."""
 
     step: ClosedJaxpr
     out_tree: Any
     capture: GradCapture
     forward: ClosedJaxpr
     plan: PipeshardPlan
+    pieces: PieceMap | None = None
 
 
 def prepare_step(
@@ -173,10 +190,14 @@ def prepare_step(
     cluster: ClusterSpec,
     progress: Callable[[str], None] | None = None,
 ) -> PreparedStep:
-    """Trace the step and plan it, or check that ``method.plan`` was made for this step."""
+    """Trace the step and plan it, or check that ``method.plan`` was made for this step.
+    Scans over stacked layers are split into sub-scans first when the layer option may cut
+    between their iterations (the plan records how)."""
     t0 = time.perf_counter()
     step, out_shape, capture, forward = trace_step(step_fun, avals, roles, method.num_micro_batches)
     plan = method.plan
+    splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
+    step, capture, forward, pieces = apply_scan_splits(step, capture, forward, splits, roles)
     if plan is None:
         trace_seconds = time.perf_counter() - t0
         plan = _plan(forward, capture, avals, roles, method, cluster, progress)
@@ -185,7 +206,7 @@ def prepare_step(
             trace_seconds=trace_seconds,
             total_seconds=time.perf_counter() - t0,
         )
-        plan = dataclasses.replace(plan, planning=stats)
+        plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
     elif plan.num_equations != len(forward.jaxpr.eqns) or (
         plan.num_micro_batches != method.num_micro_batches
     ):
@@ -194,7 +215,38 @@ def prepare_step(
             f"{plan.num_micro_batches} micro-batches; this step has "
             f"{len(forward.jaxpr.eqns)} and {method.num_micro_batches}"
         )
-    return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan)
+    return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan, pieces)
+
+
+def apply_scan_splits(
+    step: ClosedJaxpr,
+    capture: GradCapture,
+    forward: ClosedJaxpr,
+    splits: Sequence[ScanSplit],
+    roles: Sequence[str],
+) -> tuple[ClosedJaxpr, GradCapture, ClosedJaxpr, PieceMap | None]:
+    """A traced step with a plan's scan splits applied (unchanged, and no piece map, when
+    it has none)."""
+    if not splits:
+        return step, capture, forward, None
+    split = split_scans(step, capture, forward, {s.eqn: s.lengths for s in splits}, roles)
+    return split.step, split.capture, split.forward, split.pieces
+
+
+def _scan_splits(
+    forward: ClosedJaxpr, capture: GradCapture, method: PipeshardParallel
+) -> tuple[ScanSplit, ...]:
+    """How ``AutoLayerOption(layer_num=L)`` may cut scanned stacks: each into min(L, length)
+    sub-scans of near-equal length, so the clustering can cut between them (the layers of a
+    stack are alike, so equal runs balance). Markers never cut inside a scan."""
+    option = method.layer_option
+    if not isinstance(option, AutoLayerOption) or option.layer_num < 2:
+        return ()
+    found = []
+    for i in layer_scans(forward, capture):
+        n = forward.jaxpr.eqns[i].params["length"]
+        found.append(ScanSplit(i, even_lengths(n, min(n, option.layer_num))))
+    return tuple(found)
 
 
 def plan_pipeshard(
@@ -225,6 +277,7 @@ def compile_pipeshard(
     t0 = time.perf_counter()
     prepared = prepare_step(step_fun, avals, roles, method, cluster)
     plan = prepared.plan
+    donated = split_leaf_indices(prepared.pieces, donated)
     devices = jax.devices()[: cluster.num_devices]
     lowering = stage_lowerings(plan, [tuple(devices[d] for d in s.devices) for s in plan.stages])
     schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batches)
@@ -249,7 +302,28 @@ def compile_pipeshard(
         static_argnums=tuple(i for i, _ in static),
         planning_time=time.perf_counter() - t0,
         extra={"schedule": schedule},
+        pieces=prepared.pieces,
     )
+
+
+def split_leaf_indices(pieces: PieceMap | None, leaves: Sequence[int]) -> list[int]:
+    """The split step's input leaves that hold rows of the given user leaves."""
+    if pieces is None:
+        return list(leaves)
+    chosen = set(leaves)
+    return [i for i, (k, _, _) in enumerate(pieces.inputs) if k in chosen]
+
+
+def arg_layouts(compiled: CompiledPipeline) -> list[Any]:
+    """Per step input, the layout it is first consumed in (None: never read on a mesh)."""
+    first: dict[str, Any] = {}
+    for name, key in compiled.donation.items():
+        first[name] = compiled.layouts[key]
+    for ins in compiled.stream:
+        src, layout = getattr(ins, "src", None), getattr(ins, "layout", None)
+        if src in compiled.arg_names and layout is not None and src not in first:
+            first[src] = compiled.layouts[layout]
+    return [first.get(n) for n in compiled.arg_names]
 
 
 def stage_lowerings(plan: PipeshardPlan, devices: list[tuple[Any, ...]]) -> list[StageLowering]:

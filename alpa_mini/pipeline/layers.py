@@ -41,7 +41,8 @@ def marker_layer_starts(jaxpr: Jaxpr) -> tuple[int, ...]:
             raise ConfigError(
                 f"mark_pipeline_boundary(): called inside a {eqn.primitive.name} body (loss "
                 f"equation {i}), where it cannot cut the loss into layers; call it between "
-                "the loop or remat block and its neighbours, or use AutoLayerOption"
+                "the loop or remat block and its neighbours, or use AutoLayerOption (which cuts "
+                "a scan over stacked layers between its iterations)"
             )
     n = len(jaxpr.eqns)
     starts = [0]

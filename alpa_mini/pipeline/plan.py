@@ -21,7 +21,7 @@ from ..solvers.stages import StageProblem, StageSolution, stage_objective
 if TYPE_CHECKING:
     from .simulate import Simulation
 
-__all__ = ["PipeshardPlan", "StagePlan"]
+__all__ = ["PipeshardPlan", "ScanSplit", "StagePlan"]
 
 
 def _spec_list(specs: tuple[ShardingSpec | None, ...]) -> list[Any]:
@@ -88,6 +88,22 @@ class StagePlan:
         )
 
 
+@dataclass(frozen=True)
+class ScanSplit:
+    """Loss equation ``eqn`` (a scan over stacked layers) run as sub-scans of ``lengths``
+    iterations each, in array order (``graph.scan_split``)."""
+
+    eqn: int
+    lengths: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"eqn": self.eqn, "lengths": list(self.lengths)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ScanSplit:
+        return cls(int(d["eqn"]), tuple(int(n) for n in d["lengths"]))
+
+
 @dataclass(frozen=True, eq=False)
 class PipeshardPlan:
     stages: tuple[StagePlan, ...]
@@ -104,6 +120,10 @@ class PipeshardPlan:
     cluster_spec: ClusterSpec | None = None
     #: The flop balance ``AutoLayerOption`` clustered layers within (None: markers).
     layer_eps: float | None = None
+    #: Scans over stacked layers run as sub-scans, so that layers may cut between their
+    #: iterations (``graph.scan_split``); equation indices are the traced loss's, and
+    #: ``num_equations`` counts the loss after the split.
+    scan_splits: tuple[ScanSplit, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -130,6 +150,7 @@ class PipeshardPlan:
             "layer_starts": list(self.layer_starts),
             "layer_eps": self.layer_eps,
             "num_equations": self.num_equations,
+            "scan_splits": [s.to_dict() for s in self.scan_splits],
             "stages": [s.to_dict() for s in self.stages],
             "stage_problem": None if self.stage_problem is None else self.stage_problem.to_dict(),
             "stage_solution": None
@@ -172,6 +193,7 @@ class PipeshardPlan:
                 if d.get("cluster_spec") is None
                 else ClusterSpec.from_dict(d["cluster_spec"]),
                 layer_eps=None if d.get("layer_eps") is None else float(d["layer_eps"]),
+                scan_splits=tuple(ScanSplit.from_dict(s) for s in d.get("scan_splits") or ()),
             )
         except (KeyError, TypeError, IndexError) as err:
             raise ValueError(f"plan: missing or malformed field {err}") from None

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
+from ..graph.scan_split import PieceMap
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
 from ..runtime.instructions import Free, Instruction, Put, Recv, Run, Send
@@ -38,13 +39,22 @@ from ..runtime.local import InstructionTiming, LocalRuntime
 from ..runtime.ray_worker import Resident
 from ..session.ray import RaySession
 from ..shard.executable import dynamic_leaves
-from .executable import StepFun, add_buffers, prepare_step, stage_lowerings, trace_step
+from .executable import (
+    StepFun,
+    add_buffers,
+    apply_scan_splits,
+    prepare_step,
+    split_leaf_indices,
+    stage_lowerings,
+    trace_step,
+)
 from .plan import PipeshardPlan
 
 __all__ = [
     "HostStreams",
     "RayPipeshardExecutable",
     "RemoteArray",
+    "StackedRemoteArray",
     "WorkerBuilder",
     "compile_pipeshard_ray",
     "split_stream",
@@ -195,6 +205,9 @@ class WorkerBuilder:
         plan = PipeshardPlan.from_json(self.plan_json)
         B = plan.num_micro_batches
         step, _, capture, forward = trace_step(self.step_fun, list(self.avals), self.roles, B)
+        step, capture, forward, _ = apply_scan_splits(
+            step, capture, forward, plan.scan_splits, self.roles
+        )
         placed = []
         for s, st in enumerate(plan.stages):
             if group_devices:
@@ -264,6 +277,8 @@ class RayPipeshardExecutable:
     planning_time: float
     last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
     _steps: Any = field(default_factory=itertools.count)
+    #: The user's flat leaves <-> the step's when scanned stacks are split into row pieces.
+    pieces: PieceMap | None = None
     _program_table: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
 
     def __call__(self, *args: Any) -> Any:
@@ -339,6 +354,8 @@ class RayPipeshardExecutable:
         import ray
 
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        if self.pieces is not None:
+            flat = self.pieces.split_inputs(flat, lambda x, a, b, i: _remote_rows(x, a, b))
         step = next(self._steps)
         workers = self.session.workers
         t0 = time.perf_counter()
@@ -388,6 +405,8 @@ class RayPipeshardExecutable:
                 outs.append(RemoteArray(self.session, keys, h["shape"], h["dtype"], devices))
             else:  # an input handed back unchanged
                 outs.append(flat[int(name[3:])])
+        if self.pieces is not None:
+            outs = self.pieces.join_outputs(outs, _join_remote)
         return jax.tree.unflatten(self.out_tree, outs)
 
     def _input(self, leaf: Any, host: int, name: str) -> Any:
@@ -472,6 +491,53 @@ class RemoteArray:
         self.session.garbage.extend(self.keys)
 
 
+class StackedRemoteArray(RemoteArray):
+    """A stacked output whose row pieces stay on the workers of their stages; fed back, each
+    piece is used in place; ``np.asarray`` fetches and concatenates them."""
+
+    def __init__(self, parts: Sequence[RemoteArray]) -> None:
+        first = parts[0]
+        shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        super().__init__(first.session, (), shape, first.dtype)
+        self.parts = tuple(parts)
+        self.starts = tuple(itertools.accumulate((p.shape[0] for p in parts), initial=0))
+
+    @property
+    def host(self) -> int:
+        return self.parts[0].host
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(h for p in self.parts for h in p.hosts))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._value is None:
+            self._value = np.concatenate([np.asarray(p) for p in self.parts])
+        return self._value if dtype is None else self._value.astype(dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"StackedRemoteArray(hosts={list(self.hosts)}, shape={self.shape}, "
+            f"dtype={self.dtype}, pieces={len(self.parts)})"
+        )
+
+
+def _remote_rows(x: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a step input: a piece of a stacked output as it is (so it is
+    used in place), else the rows of the fetched array."""
+    if isinstance(x, StackedRemoteArray):
+        for p, a in zip(x.parts, x.starts, strict=False):
+            if a == start and a + p.shape[0] == stop:
+                return p
+    return np.asarray(x)[start:stop]
+
+
+def _join_remote(parts: Sequence[Any]) -> Any:
+    if all(isinstance(p, RemoteArray) for p in parts):
+        return StackedRemoteArray(parts)
+    return np.concatenate([np.asarray(p) for p in parts])
+
+
 def compile_pipeshard_ray(
     fun: Callable[..., Any],
     avals: list[Any],
@@ -499,6 +565,7 @@ def compile_pipeshard_ray(
         method = dataclasses.replace(method, stage_option=option)
     prepared = prepare_step(step_fun, avals, roles, method, cluster)
     plan = prepared.plan
+    donated = split_leaf_indices(prepared.pieces, donated)
     hosts = stage_hosts(plan, cluster.devices_per_host, session.span_hosts)
     builder = WorkerBuilder(
         step_fun,
@@ -528,4 +595,5 @@ def compile_pipeshard_ray(
         out_tree=prepared.out_tree,
         static_argnums=tuple(i for i, _ in static),
         planning_time=time.perf_counter() - t0,
+        pieces=prepared.pieces,
     )

@@ -3,6 +3,7 @@ against serial JAX and the local runtime, cross-host transfers, clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -14,6 +15,7 @@ import pytest
 
 import alpa_mini
 from alpa_mini import (
+    AutoLayerOption,
     AutoStageOption,
     ClusterSpec,
     ConfigError,
@@ -22,7 +24,15 @@ from alpa_mini import (
     UniformStageOption,
     WorkerFailedError,
 )
-from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
+from alpa_mini.models import (
+    GPTConfig,
+    adam,
+    gpt_loss,
+    init_gpt,
+    make_gpt_batch,
+    make_train_step,
+    sgd,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +139,7 @@ def ray_results(tmp_path_factory):
                     "stage_host": ex.stage_host,
                 }
                 first_step = step
+        results["scanned"] = _scanned_on_ray()
         # Last, as it kills a worker: the errors, in the same session.
         results["errors"] = _worker_failures(first_step)
     finally:
@@ -146,6 +157,52 @@ def ray_results(tmp_path_factory):
 def _args():
     params, batch = _data()
     return params, OPT.init(params), batch
+
+
+SCANNED = dataclasses.replace(GPT, pipeline_marks=False, scan_layers=True)
+
+
+def _scanned_loss(p, b):
+    return gpt_loss(p, b, SCANNED)
+
+
+def _scanned_on_ray() -> dict:
+    """A scanned GPT cut into two stages (one per host), two SGD steps."""
+    from alpa_mini.pipeline.ray_driver import StackedRemoteArray
+
+    params = init_gpt(SCANNED, jax.random.PRNGKey(1))
+    batch = make_gpt_batch(SCANNED, jax.random.PRNGKey(2), 8)
+    opt = sgd(0.1)
+    method = PipeshardParallel(
+        num_micro_batches=2, layer_option=AutoLayerOption(2), stage_option=UniformStageOption(2)
+    )
+    step = alpa_mini.parallelize(
+        make_train_step(_scanned_loss, opt, alpa_mini.value_and_grad), method=method
+    )
+    p, s = params, opt.init(params)
+    for _ in range(2):
+        p, s, _ = step(p, s, batch)
+    stacked = jax.tree.leaves(p["layers"])
+    return {
+        "got": [np.asarray(x) for x in jax.tree.leaves(p)],
+        "stacked": all(isinstance(x, StackedRemoteArray) for x in stacked),
+        "hosts": {h for x in stacked for h in x.hosts},
+        "params": params,
+        "batch": batch,
+    }
+
+
+def test_a_scanned_stack_cut_over_two_hosts_equals_serial_jax(ray_results):
+    r = ray_results["scanned"]
+    opt = sgd(0.1)
+    serial = jax.jit(make_train_step(_scanned_loss, opt))
+    p, s = r["params"], opt.init(r["params"])
+    for _ in range(2):
+        p, s, _ = serial(p, s, r["batch"])
+    for a, b in zip(r["got"], jax.tree.leaves(p), strict=True):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-6)
+    # Each stacked leaf comes back as one handle whose rows stay on both hosts' workers.
+    assert r["stacked"] and r["hosts"] == {0, 1}
 
 
 @pytest.mark.parametrize("name", list(METHODS))
