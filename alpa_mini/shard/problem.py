@@ -236,11 +236,20 @@ def _edges(
     producer = _producers(graph)
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_info = []
+    # Alike operators of repeated layers share one strategy tuple (``_op_strategies``), so
+    # their edges' matrices are equal: priced once per (strategy tuples, operand, tensor
+    # shape, weight). The matrices are only read (``_add_edge`` adds into new arrays).
+    seen: dict[tuple[Any, ...], np.ndarray] = {}
 
-    def add(v: int, k: int, t: int, dst: list[Any], w: float) -> None:
+    def add(v: int, k: int, t: int, side: str, w: float) -> None:
         tu, idx = producer[t]
-        src = [s.out_specs[idx] for s in strategies[tu]]
-        matrix = _reshard_matrix(graph, cost, t, src, dst, w)
+        tensor = graph.tensors[t]
+        key = (id(strategies[tu]), idx, id(strategies[v]), side, k, tensor.shape, tensor.dtype, w)
+        matrix = seen.get(key)
+        if matrix is None:
+            src = [s.out_specs[idx] for s in strategies[tu]]
+            specs = (s.in_specs[k] if side == "in" else s.out_specs[0] for s in strategies[v])
+            matrix = seen[key] = _reshard_matrix(graph, cost, t, src, list(specs), w)
         _add_edge(edges, tu, v, matrix)
         edge_info.append((tu, v, k, t, w))
 
@@ -249,12 +258,12 @@ def _edges(
         for k, t in enumerate(node.inputs):
             if t is None or t not in producer or graph.tensors[t].role == "const":
                 continue
-            add(v, k, t, [s.in_specs[k] for s in strategies[v]], node.weight(k))
+            add(v, k, t, "in", node.weight(k))
     for k, t in enumerate(graph.outputs):
         if graph.tensors[t].role == "const" or t not in producer:
             continue
         v = alias_of_output.get(k, n_in + n_ops + k)
-        add(v, 0, t, [s.out_specs[0] for s in strategies[v]], _output_weight(graph, producer[t][0]))
+        add(v, 0, t, "out", _output_weight(graph, producer[t][0]))
     return edges, edge_info
 
 

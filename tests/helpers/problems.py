@@ -10,10 +10,14 @@ FORBID = 1e18
 
 
 @st.composite
-def problems(draw, *, max_nodes: int = 6, memory: bool = True, aliases: bool = True):
-    """Small random problems: forbidden entries, parallel edges, overlapping lifetimes."""
+def problems(
+    draw, *, max_nodes: int = 6, memory: bool = True, aliases: bool = True, coarse: bool = False
+):
+    """Small random problems: forbidden entries, parallel edges, overlapping lifetimes.
+    ``coarse``: edge costs from {0, 7, forbidden} and up to 4 strategies, so edge matrices
+    have many equal rows and columns."""
     n = draw(st.integers(1, max_nodes))
-    ks = [draw(st.integers(1, 3)) for _ in range(n)]
+    ks = [draw(st.integers(1, 4 if coarse else 3)) for _ in range(n)]
     cost = st.one_of(st.integers(0, 20).map(float), st.just(FORBID))
     costs = [
         [draw(cost) if draw(st.booleans()) else float(draw(st.integers(0, 20))) for _ in range(k)]
@@ -30,12 +34,14 @@ def problems(draw, *, max_nodes: int = 6, memory: bool = True, aliases: bool = T
         u = draw(st.integers(0, n - 1))
         v = draw(st.integers(0, n - 1).filter(lambda x, u=u: x != u))
         edges.append([u, v])
-        edge_costs.append(
-            [
-                draw(cost) if draw(st.integers(0, 3)) == 0 else float(draw(st.integers(0, 15)))
-                for _ in range(ks[u] * ks[v])
-            ]
+        entry = (
+            st.sampled_from([0.0, 7.0, FORBID])
+            if coarse
+            else st.integers(0, 3).flatmap(
+                lambda r: cost if r == 0 else st.integers(0, 15).map(float)
+            )
         )
+        edge_costs.append([draw(entry) for _ in range(ks[u] * ks[v])])
     alias = []
     pairs = [[a, b] for a in range(n) for b in range(n) if a != b and ks[a] == ks[b]]
     if aliases and pairs and draw(st.booleans()):

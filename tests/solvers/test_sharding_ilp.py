@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from alpa_mini.solvers.brute_force.sharding import brute_force_min_peak, brute_force_sharding
 from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
+from alpa_mini.solvers.sharding.mip_model import build_mip
 from alpa_mini.solvers.sharding.problem import (
     ShardingProblem,
     evaluate,
@@ -65,6 +66,42 @@ def test_lp_first_equals_brute_force(problem: ShardingProblem) -> None:
     sol = solve_sharding(problem, simplify_graph=False, lp_first=True)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+@FAST
+@given(problems(coarse=True))
+def test_strategies_merged_by_equal_edge_rows_keep_the_optimum(problem: ShardingProblem) -> None:
+    """The MIP merges strategies whose rows (or columns) of an edge's matrix are equal into
+    one class there; the optimum, by MIP and by LP first, is still brute force's."""
+    best = _optimum(problem)
+    for lp_first in (False, True):
+        if best is None:
+            with pytest.raises(InfeasibleError):
+                solve_sharding(problem, simplify_graph=False, lp_first=lp_first)
+            continue
+        sol = solve_sharding(problem, simplify_graph=False, lp_first=lp_first)
+        assert sol.status == "optimal"
+        assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_equal_edge_rows_share_pair_columns() -> None:
+    """Four strategies on each side of an edge, two distinct layouts each: 2 x 2 pair
+    columns, not 4 x 4."""
+    layout = np.array([0, 0, 1, 1])
+    mat = np.where(layout[:, None] == layout[None, :], 0.0, 5.0)
+    problem = ShardingProblem.from_lists(
+        [[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]],
+        [[0.0] * 4] * 2,
+        [[0, 1], [1, 2]],
+        [[0, 1]],
+        [mat.ravel().tolist()],
+    )
+    mip = build_mip(simplify(problem, enabled=False).core)
+    assert mip.num_cols == 8 + 4
+    sol = solve_sharding(problem, simplify_graph=False)
+    # Cheapest alike pairs: (0, 1) and (2, 3) at 4; the cheapest pair (0, 3) costs 1 + 1 + 5
+    # across layouts.
+    assert sol.objective == pytest.approx(4.0) == evaluate(problem, sol.choice).cost
 
 
 @FAST
