@@ -181,6 +181,25 @@ class ParallelizedFunction:
             self._cache[key] = self._resized(call, key, cluster) or self._compile(call, cluster)
         return self._cache[key]
 
+    def input_layouts(self, *args: Any) -> Any:
+        """The layouts the plan for arguments like ``args`` reads each array argument in, as
+        ``jax.ShapeDtypeStruct``s shaped like the array arguments (static ones left out): a
+        ``restore_checkpoint`` target that puts values where the step reads them."""
+        ex = self.get_executable(*args)
+        call = self._prepare(args)
+        if isinstance(ex, Executable):
+            shardings: list[Any] = list(ex.input_shardings)
+        elif hasattr(ex, "input_layouts"):
+            shardings = ex.input_layouts(call.avals)
+        else:  # on Ray the layouts live on the workers: restore onto the driver
+            shardings = [None] * len(call.avals)
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        leaves = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh or default, weak_type=a.weak_type)
+            for a, sh in zip(call.avals, shardings, strict=True)
+        ]
+        return jax.tree.unflatten(call.in_tree, leaves)
+
     # ------------------------------------------------------------ batch-size changes
     def _resized(self, call: _Call, key: tuple, cluster: ClusterSpec) -> Executable | None:
         """A cached plan reused for a new batch size: same step and cluster, only the batch

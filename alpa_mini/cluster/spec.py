@@ -129,6 +129,12 @@ class DeviceKind:
         )
 
 
+#: The largest clusters the planner is built for (the stage DP keeps a table per submesh
+#: shape, one per host count): Megatron-LM's largest published run used 3072 GPUs.
+MAX_HOSTS = 4096
+MAX_DEVICES_PER_HOST = 1024
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Hosts x devices of one device kind, joined by an intra-host and an inter-host link."""
@@ -142,8 +148,8 @@ class ClusterSpec:
     profile: ProfileDB | None = None  # measured figures that replace the nominal ones
 
     def __post_init__(self) -> None:
-        positive_int("num_hosts", self.num_hosts)
-        positive_int("devices_per_host", self.devices_per_host)
+        positive_int("num_hosts", self.num_hosts, high=MAX_HOSTS)
+        positive_int("devices_per_host", self.devices_per_host, high=MAX_DEVICES_PER_HOST)
 
     @property
     def num_devices(self) -> int:
@@ -151,7 +157,9 @@ class ClusterSpec:
 
     def with_hosts(self, num_hosts: int) -> ClusterSpec:
         """The same hardware with another host count (configs describe a host type)."""
-        return dataclasses.replace(self, num_hosts=positive_int("num_hosts", num_hosts))
+        return dataclasses.replace(
+            self, num_hosts=positive_int("num_hosts", num_hosts, high=MAX_HOSTS)
+        )
 
     def with_profile(self, profile: ProfileDB | None) -> ClusterSpec:
         """The same cluster priced with measured figures (``alpa_mini.profile_devices``):
@@ -176,8 +184,10 @@ class ClusterSpec:
         data = _mapping("cluster", data, fields)
         return cls(
             name=str(data["name"]),
-            num_hosts=positive_int("cluster.num_hosts", data["num_hosts"]),
-            devices_per_host=positive_int("cluster.devices_per_host", data["devices_per_host"]),
+            num_hosts=positive_int("cluster.num_hosts", data["num_hosts"], high=MAX_HOSTS),
+            devices_per_host=positive_int(
+                "cluster.devices_per_host", data["devices_per_host"], high=MAX_DEVICES_PER_HOST
+            ),
             device=DeviceKind.from_dict(data["device"], "cluster.device"),
             intra_host=Link.from_dict(data["intra_host"], "cluster.intra_host"),
             inter_host=Link.from_dict(data["inter_host"], "cluster.inter_host"),

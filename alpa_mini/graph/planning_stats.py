@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .._validate import check_int, check_number
+
 __all__ = ["PlanningStats"]
 
 
@@ -36,14 +38,19 @@ class PlanningStats:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> PlanningStats | None:
+    def from_dict(
+        cls, data: dict[str, Any] | None, where: str = "planning"
+    ) -> PlanningStats | None:
         """Read a saved record; unknown keys are ignored (older plans stored other fields)."""
         if data is None:
             return None
         if not isinstance(data, dict):
             raise ValueError(f"planning: expected a mapping or null, got {data!r}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name: f.type for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         if "seconds" in data and "total_seconds" not in data:  # plans saved before this record
             values["total_seconds"] = data["seconds"]
+        for k, v in values.items():
+            check = check_int if known[k] in ("int", int) else check_number
+            values[k] = check(f"{where}.{k}", v, low=0)
         return cls(**values)

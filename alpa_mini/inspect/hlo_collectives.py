@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._validate import format_bytes
+
 __all__ = [
     "KINDS",
     "Collective",
@@ -739,15 +741,6 @@ def summarize(
     return {k: CollectiveSummary(k, *v) for k, v in totals.items()}
 
 
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def format_table(summary: dict[str, CollectiveSummary] | Iterable[Collective]) -> str:
     """A plain-text table of a ``summarize`` result (or of a list of collectives)."""
     if not isinstance(summary, dict):
@@ -765,7 +758,7 @@ def format_table(summary: dict[str, CollectiveSummary] | Iterable[Collective]) -
                 str(s.count),
                 str(s.instructions),
                 str(s.bytes),
-                _human(s.bytes),
+                format_bytes(s.bytes),
                 str(s.loop_instructions),
             )
         )
@@ -783,7 +776,7 @@ def format_table(summary: dict[str, CollectiveSummary] | Iterable[Collective]) -
             str(total.count),
             str(total.instructions),
             str(total.bytes),
-            _human(total.bytes),
+            format_bytes(total.bytes),
             str(total.loop_instructions),
         )
     )

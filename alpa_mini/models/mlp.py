@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpa_mini._validate import positive_int
+from alpa_mini._validate import MAX_SIZE, positive_int
 from alpa_mini.errors import ConfigError
 
 __all__ = [
@@ -56,8 +56,9 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 def check_positive_int(owner: str, name: str, value: object) -> None:
-    """Raise a ``ConfigError`` naming ``owner.name`` unless ``value`` is an int >= 1."""
-    positive_int(f"{owner}.{name}", value)
+    """Raise a ``ConfigError`` naming ``owner.name`` unless ``value`` is an int from 1 to
+    ``MAX_SIZE`` (the largest dimension the planner represents)."""
+    positive_int(f"{owner}.{name}", value, high=MAX_SIZE)
 
 
 def check_bools(owner: str, config: object, names: tuple[str, ...]) -> None:

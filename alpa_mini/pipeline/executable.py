@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
+from ..errors import ConfigError
 from ..graph.grad_capture import GradCapture, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
 from ..graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
@@ -28,8 +30,9 @@ from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .plan import PipeshardPlan, ScanSplit
+from .plan_check import check_plan
 from .schedules import make_schedule
-from .stacked_rows import join_rows, take_rows
+from .stacked_rows import join_rows, take_rows, union_sharding
 from .stage_search import plan_pipeline
 
 __all__ = [
@@ -112,6 +115,31 @@ class PipeshardExecutable:
                 "outputs to donate without a copy)",
                 stacklevel=3,
             )
+
+    def input_layouts(self, avals: Sequence[Any]) -> list[Any]:
+        """Per flat argument leaf (``avals``: their shapes), the layout the step first reads
+        it in (a stacked leaf cut into row pieces: the pieces' layouts joined along its layer
+        axis, or the first piece's mesh, replicated, when they cannot be; None: unread)."""
+        layouts = self.extra.get("arg_layouts") or self.extra.setdefault(
+            "arg_layouts", arg_layouts(self.compiled)
+        )
+        if self.pieces is None:
+            return list(layouts)
+        parts: dict[int, list[tuple[int, Any]]] = {}
+        for i, (k, a, b) in enumerate(self.pieces.inputs):
+            parts.setdefault(k, []).append((0 if a is None else b - a, layouts[i]))
+        out = []
+        for k in sorted(parts):
+            got = parts[k]
+            if len(got) == 1:
+                out.append(got[0][1])
+                continue
+            equal = len({n for n, _ in got}) == 1
+            ndim = len(avals[k].shape)
+            joined = union_sharding([lay for _, lay in got], ndim) if equal else None
+            first = got[0][1]
+            out.append(joined or (NamedSharding(first.mesh, PartitionSpec()) if first else None))
+        return out
 
     def trace(self, path: str | Path, *args: Any, png: bool = True) -> list[InstructionTiming]:
         """One profiled step (``profile``) written as a Chrome trace to ``path`` from the
@@ -197,7 +225,10 @@ def prepare_step(
     step, out_shape, capture, forward = trace_step(step_fun, avals, roles, method.num_micro_batches)
     plan = method.plan
     splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
-    step, capture, forward, pieces = apply_scan_splits(step, capture, forward, splits, roles)
+    try:
+        step, capture, forward, pieces = apply_scan_splits(step, capture, forward, splits, roles)
+    except ValueError as err:  # only a saved plan's splits can be wrong
+        raise ConfigError(f"plan.{err}") from None
     if plan is None:
         trace_seconds = time.perf_counter() - t0
         plan = _plan(forward, capture, avals, roles, method, cluster, progress)
@@ -207,14 +238,8 @@ def prepare_step(
             total_seconds=time.perf_counter() - t0,
         )
         plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
-    elif plan.num_equations != len(forward.jaxpr.eqns) or (
-        plan.num_micro_batches != method.num_micro_batches
-    ):
-        raise ValueError(
-            f"plan: made for a forward of {plan.num_equations} equations and "
-            f"{plan.num_micro_batches} micro-batches; this step has "
-            f"{len(forward.jaxpr.eqns)} and {method.num_micro_batches}"
-        )
+    else:
+        check_plan(plan, cluster, forward, capture, method.num_micro_batches)
     return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan, pieces)
 
 
@@ -229,8 +254,30 @@ def apply_scan_splits(
     it has none)."""
     if not splits:
         return step, capture, forward, None
+    _check_splits(forward, splits)
     split = split_scans(step, capture, forward, {s.eqn: s.lengths for s in splits}, roles)
     return split.step, split.capture, split.forward, split.pieces
+
+
+def _check_splits(forward: ClosedJaxpr, splits: Sequence[ScanSplit]) -> None:
+    """Each split names a distinct scan of the loss and lengths that sum to its length."""
+    eqns = forward.jaxpr.eqns
+    seen: set[int] = set()
+    for i, s in enumerate(splits):
+        if not 0 <= s.eqn < len(eqns) or eqns[s.eqn].primitive.name != "scan":
+            raise ValueError(
+                f"scan_splits[{i}].eqn: {s.eqn} is not a scan of the loss (its scans: "
+                f"{[k for k, e in enumerate(eqns) if e.primitive.name == 'scan']})"
+            )
+        if s.eqn in seen:
+            raise ValueError(f"scan_splits[{i}].eqn: equation {s.eqn} is split twice")
+        seen.add(s.eqn)
+        n = eqns[s.eqn].params["length"]
+        if sum(s.lengths) != n or min(s.lengths, default=0) < 1:
+            raise ValueError(
+                f"scan_splits[{i}].lengths: {list(s.lengths)} is invalid; expected positive "
+                f"lengths that sum to the scan's {n} iterations"
+            )
 
 
 def _scan_splits(

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._validate import Fields, check_int, check_list
 from ..cluster.spec import ClusterSpec
+from ..errors import ConfigError
 from ..graph.planning_stats import PlanningStats
 from ..shard.spec import ShardingSpec
 from ..solvers.stages import StageProblem, StageSolution, stage_objective
+from .schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from .simulate import Simulation
@@ -28,8 +31,26 @@ def _spec_list(specs: tuple[ShardingSpec | None, ...]) -> list[Any]:
     return [None if s is None else s.to_list() for s in specs]
 
 
-def _spec_tuple(data: list[Any]) -> tuple[ShardingSpec | None, ...]:
-    return tuple(None if s is None else ShardingSpec.from_list(s) for s in data)
+def _spec_tuple(where: str, data: Any) -> tuple[ShardingSpec | None, ...]:
+    return tuple(
+        None if spec is None else _spec(f"{where}[{i}]", spec)
+        for i, spec in enumerate(check_list(where, data))
+    )
+
+
+def _spec(where: str, data: Any) -> ShardingSpec:
+    """A ``ShardingSpec`` from its saved form: per tensor dimension, the mesh axes (ints)."""
+    dims = [
+        tuple(
+            check_int(f"{where}[{d}][{k}]", a, low=0)
+            for k, a in enumerate(check_list(f"{where}[{d}]", axes))
+        )
+        for d, axes in enumerate(check_list(where, data))
+    ]
+    try:
+        return ShardingSpec(tuple(dims))
+    except ValueError as err:
+        raise ConfigError(f"{where}: {data!r} uses a mesh axis twice ({err})") from None
 
 
 @dataclass(frozen=True)
@@ -66,25 +87,32 @@ class StagePlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+    def from_dict(cls, d: Any, where: str = "stage") -> StagePlan:
+        """Read a saved stage; each malformed field is a ``ConfigError`` naming it."""
+        f = Fields(d, where)
+        layers = f.ints("layers", length=2, low=0)
+        equations = f.ints("equations", length=2, low=0)
+        inner = []
+        for i, item in enumerate(f.list("inner_specs", default=[])):
+            at = f"{where}.inner_specs[{i}]"
+            e, o, spec = check_list(at, item, length=3)
+            inner.append((check_int(f"{at}[0]", e, low=0), check_int(f"{at}[1]", o, low=0),
+                          _spec(f"{at}[2]", spec)))  # fmt: skip
         return cls(
-            layer_start=int(d["layers"][0]),
-            layer_end=int(d["layers"][1]),
-            eqn_start=int(d["equations"][0]),
-            eqn_end=int(d["equations"][1]),
-            submesh=(int(d["submesh"][0]), int(d["submesh"][1])),
-            devices=tuple(int(x) for x in d["devices"]),
-            logical_shape=tuple(int(x) for x in d["logical_shape"]),
-            latency=float(d["latency"]),
-            peak_memory=float(d["peak_memory"]),
-            in_specs=_spec_tuple(d["in_specs"]),
-            out_specs=_spec_tuple(d["out_specs"]),
-            inner_specs=tuple(
-                (int(e), int(o), ShardingSpec.from_list(spec))
-                for e, o, spec in d.get("inner_specs", [])
-            ),
-            out_bytes=float(d.get("out_bytes", 0.0)),
-            residual_bytes=float(d.get("residual_bytes", 0.0)),
+            layer_start=layers[0],
+            layer_end=layers[1],
+            eqn_start=equations[0],
+            eqn_end=equations[1],
+            submesh=f.ints("submesh", length=2, low=1),  # type: ignore[arg-type]
+            devices=f.ints("devices", low=0),
+            logical_shape=f.ints("logical_shape", low=1),
+            latency=f.number("latency", low=0.0),
+            peak_memory=f.number("peak_memory", low=0.0),
+            in_specs=_spec_tuple(f"{where}.in_specs", f.list("in_specs")),
+            out_specs=_spec_tuple(f"{where}.out_specs", f.list("out_specs")),
+            inner_specs=tuple(inner),
+            out_bytes=f.number("out_bytes", low=0.0, default=0.0),
+            residual_bytes=f.number("residual_bytes", low=0.0, default=0.0),
         )
 
 
@@ -100,8 +128,9 @@ class ScanSplit:
         return {"eqn": self.eqn, "lengths": list(self.lengths)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ScanSplit:
-        return cls(int(d["eqn"]), tuple(int(n) for n in d["lengths"]))
+    def from_dict(cls, d: Any, where: str = "scan_split") -> ScanSplit:
+        f = Fields(d, where)
+        return cls(f.int("eqn", low=0), f.ints("lengths", low=1))
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,35 +197,47 @@ class PipeshardPlan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"plan: not valid JSON ({err})") from None
+            raise ConfigError(f"plan: not valid JSON ({err})") from None
         if not isinstance(d, dict) or d.get("format") != "alpa_mini.PipeshardPlan/1":
-            raise ValueError(
+            raise ConfigError(
                 "plan.format: expected 'alpa_mini.PipeshardPlan/1', got "
                 f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}"
             )
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipeshardPlan:
+        """Read a saved plan: every field typed and in range as a file can say (``check_plan``
+        checks it against a cluster and a step); a malformed one is a ``ConfigError`` naming
+        its path, its value and what is valid."""
+        f = Fields(d, "plan")
+        stages = f.list("stages")
+        if not stages:
+            raise ConfigError("plan.stages: empty; a plan has at least one stage")
+        splits = f.list("scan_splits", default=None) or []
         try:
             return cls(
-                stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
-                layer_starts=tuple(int(x) for x in d["layer_starts"]),
-                num_equations=int(d["num_equations"]),
-                schedule=str(d["schedule"]),
-                num_micro_batches=int(d["num_micro_batches"]),
-                cluster=str(d["cluster"]),
-                stage_problem=None
-                if d.get("stage_problem") is None
-                else StageProblem.from_dict(d["stage_problem"]),
-                stage_solution=None
-                if d.get("stage_solution") is None
-                else StageSolution.from_dict(d["stage_solution"]),
-                planning=PlanningStats.from_dict(d.get("planning")),
-                cluster_spec=None
-                if d.get("cluster_spec") is None
-                else ClusterSpec.from_dict(d["cluster_spec"]),
-                layer_eps=None if d.get("layer_eps") is None else float(d["layer_eps"]),
-                scan_splits=tuple(ScanSplit.from_dict(s) for s in d.get("scan_splits") or ()),
+                stages=tuple(
+                    StagePlan.from_dict(s, f"plan.stages[{i}]") for i, s in enumerate(stages)
+                ),
+                layer_starts=f.ints("layer_starts", low=0),
+                num_equations=f.int("num_equations", low=1),
+                schedule=f.text("schedule", SCHEDULES),
+                num_micro_batches=f.int("num_micro_batches", low=1),
+                cluster=f.text("cluster"),
+                stage_problem=_record(d, "stage_problem", StageProblem.from_dict),
+                stage_solution=_record(d, "stage_solution", StageSolution.from_dict),
+                planning=_record(d, "planning", PlanningStats.from_dict),
+                cluster_spec=_record(d, "cluster_spec", ClusterSpec.from_dict),
+                layer_eps=None if d.get("layer_eps") is None else f.number("layer_eps", low=0.0),
+                scan_splits=tuple(
+                    ScanSplit.from_dict(s, f"plan.scan_splits[{i}]") for i, s in enumerate(splits)
+                ),
             )
-        except (KeyError, TypeError, IndexError) as err:
-            raise ValueError(f"plan: missing or malformed field {err}") from None
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise ConfigError(f"plan: malformed record ({type(err).__name__}: {err})") from None
 
     def summary(self) -> Any:
         """A rich table of the stages and the predicted iteration time."""
@@ -313,3 +354,55 @@ class PipeshardPlan:
         )
         write_timeline(path, events, names, title=title, process_name=process, png=png)
         return sim
+
+
+def _record(d: dict[str, Any], key: str, parse: Any) -> Any:
+    """An informational record of a saved plan (the stage DP's table and solution, planning
+    times, the cluster): parsed, and refused by name unless it reads back as saved, so that
+    nothing in a plan file is coerced or dropped silently."""
+    raw = d.get(key)
+    if raw is None:
+        return None
+    try:
+        value = parse(raw)
+        canon = json.loads(json.dumps(value.to_dict()))
+    except ConfigError as err:  # named inside the record: name it inside the plan
+        head, _, rest = str(err).partition(":")
+        inner = head.partition(".")[2]
+        raise ConfigError(f"plan.{key}{'.' + inner if inner else ''}:{rest}") from None
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as err:
+        raise ConfigError(f"plan.{key}: malformed ({type(err).__name__}: {err})") from None
+    where = _first_difference(raw, canon, f"plan.{key}")
+    if where is not None:
+        raise ConfigError(
+            f"{where}: not read back as saved (a value of the wrong type, out of range or not "
+            "finite)"
+        )
+    return value
+
+
+def _first_difference(raw: Any, canon: Any, where: str) -> str | None:
+    """The path of the first value of ``raw`` that its parsed form does not reproduce; keys
+    the parsed form does not write (older formats) are not compared."""
+    if isinstance(canon, dict):
+        if not isinstance(raw, dict):
+            return where
+        for key, value in canon.items():
+            if key in raw:
+                found = _first_difference(raw[key], value, f"{where}.{key}")
+                if found is not None:
+                    return found
+        return None
+    if isinstance(canon, list):
+        if not isinstance(raw, list) or len(raw) != len(canon):
+            return where
+        for i, (a, b) in enumerate(zip(raw, canon, strict=True)):
+            found = _first_difference(a, b, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(canon, bool) or isinstance(raw, bool):
+        return None if raw is canon else where
+    if isinstance(canon, int | float) and isinstance(raw, int | float):
+        return None if raw == canon else where
+    return None if raw == canon else where

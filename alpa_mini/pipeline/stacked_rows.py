@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .lower.apply_grad import entry_axes
 
-__all__ = ["STACK_AXIS", "join_rows", "take_rows"]
+__all__ = ["STACK_AXIS", "join_rows", "take_rows", "union_sharding"]
 
 #: The mesh axis that orders joined pieces (the stages holding them).
 STACK_AXIS = "stack"
@@ -106,29 +106,37 @@ def _divides(sharding: NamedSharding, shape: Sequence[int]) -> bool:
 def _union(parts: Sequence[jax.Array]) -> jax.Array | None:
     """The pieces as one array sharded over a mesh (piece, *the pieces' mesh axes), when
     they have one length, one layout and meshes of one shape on disjoint devices."""
-    first = parts[0].sharding
+    if len({(p.shape, p.dtype) for p in parts}) != 1:
+        return None
+    sharding = union_sharding([p.sharding for p in parts], parts[0].ndim)
+    if sharding is None:
+        return None
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    bufs = [s.data for p in parts for s in p.addressable_shards]
+    return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+
+
+def union_sharding(shardings: Sequence[Any], ndim: int) -> NamedSharding | None:
+    """The layout of equal-length row pieces laid out by ``shardings`` joined along their
+    leading axis: a mesh (``STACK_AXIS``, *their axes*) over all their devices, the rows
+    split over ``STACK_AXIS`` first. None when the pieces' meshes or layouts differ."""
+    if not shardings or not all(isinstance(s, NamedSharding) for s in shardings) or ndim < 1:
+        return None
+    first = shardings[0]
     mesh = first.mesh
     if STACK_AXIS in mesh.axis_names:
         return None
-    for p in parts[1:]:
-        sh = p.sharding
+    for sh in shardings[1:]:
         if (
-            p.shape != parts[0].shape
-            or p.dtype != parts[0].dtype
-            or sh.mesh.axis_names != mesh.axis_names
+            sh.mesh.axis_names != mesh.axis_names
             or sh.mesh.devices.shape != mesh.devices.shape
             or PartitionSpec(*sh.spec) != PartitionSpec(*first.spec)
         ):
             return None
-    devices = np.stack([p.sharding.mesh.devices for p in parts])
+    devices = np.stack([sh.mesh.devices for sh in shardings])
     if len({d.id for d in devices.flat}) != devices.size:
         return None
-    spec = [*first.spec] + [None] * (parts[0].ndim - len(first.spec))
-    if not spec:
-        return None
+    spec = [*first.spec] + [None] * (ndim - len(first.spec))
     lead = (STACK_AXIS, *entry_axes(spec[0]))
     spec[0] = lead if len(lead) > 1 else lead[0]
-    sharding = NamedSharding(Mesh(devices, (STACK_AXIS, *mesh.axis_names)), PartitionSpec(*spec))
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    bufs = [s.data for p in parts for s in p.addressable_shards]
-    return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+    return NamedSharding(Mesh(devices, (STACK_AXIS, *mesh.axis_names)), PartitionSpec(*spec))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
+from .._validate import format_bytes
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture
@@ -130,10 +131,15 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
             model.forward, model.capture, cluster, method, state_total, param_total,
             starts, ends, shapes, configs, names,
         )  # fmt: skip
+        least = (
+            f"the smallest per-device memory with a feasible plan is about {format_bytes(need, 2)}"
+            if math.isfinite(need)
+            else f"no plan of {L} layers fits this cluster at any memory ({len(shapes)} submesh "
+            f"shapes, {cluster.num_devices} devices): use fewer devices or more layers"
+        )
         raise MemoryBudgetError(
-            f"memory_budget: no pipeline plan fits {budget / 2**20:.3f} MiB per device "
-            f"({err}); the smallest per-device memory with a feasible plan is about "
-            f"{need / 2**20:.3f} MiB",
+            f"memory_budget: no pipeline plan fits {format_bytes(budget, 2)} per device ({err}); "
+            f"{least}",
             need,
         ) from None
     subs = [st.submesh_shape for st in solution.stages]
@@ -274,7 +280,7 @@ def _stage_plan(model, chosen: _Chosen, k: int, starts, ends) -> StagePlan:
     if sc is None:
         raise MemoryBudgetError(
             f"memory_budget: stage of layers {i}..{j} on submesh {sub} does not fit "
-            f"{_budget(method, cluster) / 2**20:.1f} MiB per device",
+            f"{format_bytes(_budget(method, cluster), 2)} per device",
             None,
         )
     sc = _with_launches(model, sc, sub, logical)

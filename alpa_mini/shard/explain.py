@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
-from .plan import Alternative, PlannedCollective, ShardingPlan, _bytes, _seconds
+from .._validate import format_bytes
+from .plan import Alternative, PlannedCollective, ShardingPlan, _seconds
 
 if TYPE_CHECKING:
     import pandas
@@ -83,14 +84,14 @@ class Explanation:
         lines.append(
             f"  chosen:  {c.strategy}  total {_seconds(c.total)} = compute {_seconds(c.compute)}"
             f" + comm {_seconds(c.comm)} + reshard {_seconds(c.reshard)};"
-            f" {_bytes(c.memory)} per device"
+            f" {format_bytes(c.memory)} per device"
         )
         if self.collectives:
             lines.append("  collectives:")
             for k in self.collectives:
                 axes = ",".join(_axis(self.axis_names, a) for a in k.axes)
                 lines.append(
-                    f"    {k.kind} over ({axes}) of {_bytes(k.nbytes)}: {_seconds(k.seconds)}"
+                    f"    {k.kind} over ({axes}) of {format_bytes(k.nbytes)}: {_seconds(k.seconds)}"
                     f" [{k.origin}]"
                 )
         else:
@@ -112,7 +113,7 @@ class Explanation:
             lines.append(
                 f"   {mark} {a.strategy:<{width}}  {_seconds(a.total):>10}  {delta:>11}"
                 f"  (compute {_seconds(a.compute)}, comm {_seconds(a.comm)},"
-                f" reshard {_seconds(a.reshard)}, {_bytes(a.memory)})"
+                f" reshard {_seconds(a.reshard)}, {format_bytes(a.memory)})"
                 + (f"  [{'; '.join(notes)}]" if notes else "")
             )
         best = self.best_alternative

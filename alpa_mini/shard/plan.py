@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from .._validate import format_bytes
 from ..graph.planning_stats import PlanningStats
 from .spec import ShardingSpec
 
@@ -201,8 +202,8 @@ class ShardingPlan:
         head.add_row("communication", _seconds(self.comm_time))
         head.add_row("resharding", _seconds(self.reshard_time))
         head.add_row("step time", _seconds(self.predicted_time))
-        budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
-        head.add_row("peak memory / device", f"{_bytes(self.peak_memory)} (budget {budget})")
+        budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
+        head.add_row("peak memory / device", f"{format_bytes(self.peak_memory)} (budget {budget})")
         s = self.solver
         head.add_row(
             "ILP",
@@ -215,7 +216,9 @@ class ShardingPlan:
         counts = self.collective_counts()
         head.add_row(
             "collectives",
-            ", ".join(f"{k} x{int(v['count'])} ({_bytes(v['bytes'])})" for k, v in counts.items())
+            ", ".join(
+                f"{k} x{int(v['count'])} ({format_bytes(v['bytes'])})" for k, v in counts.items()
+            )
             or "none",
         )
         inputs = Table(title="Inputs")
@@ -377,11 +380,3 @@ def _seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.3f} ms"
     return f"{t * 1e6:.1f} us"
-
-
-def _bytes(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
-        b /= 1024
-    return f"{b:.1f} GiB"

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import format_bytes
 from ..errors import MemoryBudgetError
 from ..graph.op_graph import OpGraph
 from ..solvers import (
@@ -361,9 +362,9 @@ def plan_sharding(
         ) from None
     except InfeasibleError as err:
         min_peak = err.details.get("min_peak")
-        need = "unknown" if min_peak is None else f"{min_peak / 2**20:.2f} MiB"
+        need = "unknown" if min_peak is None else format_bytes(min_peak, 2)
         raise MemoryBudgetError(
-            f"memory_budget: {memory_budget / 2**20:.2f} MiB per device is too small for this "
+            f"memory_budget: {format_bytes(memory_budget, 2)} per device is too small for this "
             f"program on mesh {cost.mesh.shape}; the smallest peak found is {need} per device "
             "(raise the budget, use more devices, or a larger mesh)",
             min_peak,

@@ -16,6 +16,7 @@ import dataclasses
 import gzip
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -419,12 +420,18 @@ def _check_values(where: str, values: np.ndarray, offsets: np.ndarray, *, allow_
 def load_iopddl(path: str | Path) -> ShardingProblem:
     """Load a contest problem file (``.json`` or ``.json.gz``)."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
+    gz = path.suffix == ".gz"
+    opener = gzip.open if gz else open
     try:
         with opener(path, "rt") as fh:
             data = json.load(fh)
     except json.JSONDecodeError as err:
         raise SolverInputError(f"{path}: not valid JSON ({err})") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as err:
+        what = "a complete gzip file" if gz else "UTF-8 text"
+        raise SolverInputError(
+            f"{path}: not {what} ({type(err).__name__}: {err}); the file is corrupt or truncated"
+        ) from None
     try:
         return ShardingProblem.from_iopddl_dict(data)
     except SolverInputError as err:

@@ -32,14 +32,17 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[tuple[int, in
     """Alpa's submesh shapes ``(hosts, devices)``, in increasing device count.
 
     ``(1, 1), (1, 2), (1, 4), ...`` (powers of two below ``devices_per_host``), then
-    ``(1, M), (2, M), ..., (N, M)``. With ``M`` not a power of two the one-host part is still
-    the powers of two below ``M`` followed by ``(1, M)``; with ``M == 1`` only ``(h, 1)``.
+    ``(1, M), (2, M), ..., (N, M)``. With ``M`` not a power of two the one-host part is the
+    powers of two that divide ``M``, then ``(1, M)``: each width divides the next, so any
+    choice whose device counts fill the cluster also packs into its hosts (with 3 devices a
+    host, widths 1 and 2 could fill 6 devices as 2 + 2 + 2 yet not fit two hosts of 3).
+    With ``M == 1`` only ``(h, 1)``.
     """
     n = _check_positive_int("num_hosts", num_hosts)
     m = _check_positive_int("devices_per_host", devices_per_host)
     shapes: list[tuple[int, int]] = []
     p = 1
-    while p < m:
+    while p < m and m % p == 0:
         shapes.append((1, p))
         p *= 2
     shapes.extend((h, m) for h in range(1, n + 1))

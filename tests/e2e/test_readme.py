@@ -1,4 +1,4 @@
-"""The README's "Bring your own model" examples run as they are."""
+"""The README's "Bring your own model" and checkpoint examples run as they are."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ def _section_code(title: str) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S))
 
 
-def test_bring_your_own_model_examples_run() -> None:
+def test_bring_your_own_model_and_checkpoint_examples_run() -> None:
     code = _section_code("Bring your own model")
     assert "alpa_mini.gather" in code and "nnx.split" in code
+    resume = _section_code("Checkpoints and saved plans")
+    assert "restore_checkpoint" in resume
+    code += "\n" + resume
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
@@ -29,3 +32,4 @@ def test_bring_your_own_model_examples_run() -> None:
     lines = proc.stdout.split()
     assert "(64, 8)" in proc.stdout, proc.stdout
     assert all(float(v) == float(v) for v in lines[:2])  # finite-looking losses
+    assert lines[-1] == "4", proc.stdout  # restored at step 3, then one more step

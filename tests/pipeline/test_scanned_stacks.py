@@ -84,7 +84,7 @@ def _check_cut(run: dict, stages: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_stages():
+def trained_two_stages():
     alpa_mini.shutdown()
     alpa_mini.init(cluster=alpa_mini.ClusterSpec.named("cpu-1x8"))
     try:
@@ -93,17 +93,18 @@ def two_stages():
         alpa_mini.shutdown()
 
 
+@pytest.fixture
+def two_stages(trained_two_stages):
+    """The module's 2-stage run, with the session back if another test shut it down."""
+    if not alpa_mini.is_initialized():
+        alpa_mini.init(cluster=alpa_mini.ClusterSpec.named("cpu-1x8"))
+    return trained_two_stages
+
+
 def test_a_scanned_gpt_pipelines_into_two_stages_on_disjoint_devices_equal_to_serial(
     two_stages,
 ) -> None:
     _check_cut(two_stages, 2)
-
-
-@pytest.mark.slow
-def test_a_scanned_gpt_pipelines_into_four_stages_on_disjoint_devices_equal_to_serial(
-    devices8,
-) -> None:
-    _check_cut(_train_and_compare(4), 4)
 
 
 def test_outputs_feed_the_next_step_in_place_in_their_planned_layouts(two_stages) -> None:
@@ -242,3 +243,10 @@ def test_a_plan_with_scan_splits_replays_from_json(devices8) -> None:
     got, _, _ = step(params, opt.init(params), batch)
     want, _, _ = jax.jit(make_train_step(_loss, opt))(params, opt.init(params), batch)
     _assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_a_scanned_gpt_pipelines_into_four_stages_on_disjoint_devices_equal_to_serial(
+    devices8,
+) -> None:
+    _check_cut(_train_and_compare(4), 4)

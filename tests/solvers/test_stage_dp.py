@@ -292,7 +292,8 @@ def test_submesh_shapes() -> None:
     assert submesh_shapes(1, 1) == ((1, 1),)
     assert submesh_shapes(2, 4) == ((1, 1), (1, 2), (1, 4), (2, 4))
     assert submesh_shapes(3, 8) == ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8))
-    assert submesh_shapes(1, 6) == ((1, 1), (1, 2), (1, 4), (1, 6))
+    assert submesh_shapes(1, 6) == ((1, 1), (1, 2), (1, 6))  # widths that divide the next
+    assert submesh_shapes(2, 3) == ((1, 1), (1, 3), (2, 3))
     assert submesh_shapes(3, 1) == ((1, 1), (2, 1), (3, 1))
     with pytest.raises(SolverInputError, match="num_hosts"):
         submesh_shapes(0, 4)
