@@ -306,7 +306,7 @@ def test_individual_stages_pin_the_layer_layouts_inside_a_stage():
     outside = (multi[0].eqn_end, 0, multi[0].inner_specs[0][2])
     stages[k] = dataclasses.replace(multi[0], inner_specs=(outside,))
     bad = dataclasses.replace(ex.plan, stages=tuple(stages))
-    with pytest.raises(ValueError, match="inner_specs: equation"):
+    with pytest.raises(ValueError, match=r"inner_specs\[0\]: equation \d+ is outside the stage"):
         _run(loss, params, data, PipeshardParallel.from_plan(bad), steps=1)
 
 
