@@ -43,7 +43,7 @@ class WorkerFailedError(RuntimeError):
     """A host worker died or stopped answering; ``host`` is its index in the cluster."""
 
     def __init__(self, host: int, info: dict[str, Any], reason: str) -> None:
-        self.host = host
+        self.host, self.reason = host, reason
         where = f"node {info['node_ip']}, pid {info['pid']}" if info else "unknown node"
         super().__init__(
             f"worker of host {host} ({where}) failed: {reason}; call alpa_mini.shutdown() "

@@ -460,16 +460,13 @@ class RemoteArray:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if self._value is None:
-            import ray
-
             if not self.session.workers:
                 raise RuntimeError(
                     f"this value lived on Ray host worker(s) {list(self.hosts)}, which "
                     "alpa_mini.shutdown() removed; fetch outputs (np.asarray) before shutting "
                     "down"
                 )
-            workers = self.session.workers
-            got = ray.get([workers[h].fetch.remote(k) for h, k in self.keys])
+            got = _fetch(self.session, self.keys, self.shape)
             if isinstance(got[0], np.ndarray):
                 self._value = got[0]
             else:  # pieces of a value sharded over several hosts
@@ -489,6 +486,53 @@ class RemoteArray:
         # Queue the workers' copies for release with the next step's call (one remote call
         # per step, not one per dropped handle). No module globals: may run at exit.
         self.session.garbage.extend(self.keys)
+
+
+#: Seconds between checks of the workers while a fetch waits (a dead worker is named at
+#: once; a stopped one within this plus ``check_workers``' 5 s), and the most a fetch waits.
+FETCH_POLL = 20.0
+FETCH_LIMIT = 600.0
+
+
+def _fetch(session: RaySession, keys: Sequence[tuple[int, str]], shape: Any) -> list[Any]:
+    """The workers' copies of one output. A worker that died or stopped answering is a
+    ``WorkerFailedError`` naming its host and the value lost with it; a fetch that is still
+    moving data after ``FETCH_LIMIT`` seconds is a ``TimeoutError``."""
+    import ray
+
+    refs = {h: session.workers[h].fetch.remote(k) for h, k in keys}
+    what = f"an output of shape {tuple(shape)}"
+    start = time.monotonic()
+    while True:
+        try:
+            return ray.get(list(refs.values()), timeout=FETCH_POLL)
+        except ray.exceptions.RayActorError as err:
+            host = next((h for h, r in refs.items() if _died(r)), keys[0][0])
+            reason = f"during a fetch of {what}, lost with it ({type(err).__name__})"
+            raise WorkerFailedError(host, session.worker_info[host], reason) from None
+        except ray.exceptions.GetTimeoutError:
+            try:
+                session.check_workers(timeout=5.0)
+            except WorkerFailedError as err:
+                reason = f"during a fetch of {what}: {err.reason}"
+                raise WorkerFailedError(err.host, session.worker_info[err.host], reason) from None
+            if time.monotonic() - start > FETCH_LIMIT:
+                raise TimeoutError(
+                    f"a fetch of {what} from hosts {[h for h, _ in keys]} did not finish "
+                    f"within {FETCH_LIMIT:g} s although the workers answer"
+                ) from None
+
+
+def _died(ref: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # not ready, or another error: not this one's death
+        return False
+    return False
 
 
 class StackedRemoteArray(RemoteArray):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ def start_ray_session(
             configure_logging=False,
         )
     else:
+        _check_reachable(address)
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     try:
         return _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices, span_hosts)
@@ -135,6 +137,32 @@ def start_ray_session(
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+
+
+#: Seconds ``init`` waits for a Ray head's port to accept a connection.
+CONNECT_TIMEOUT = 10.0
+
+
+def _check_reachable(address: str) -> None:
+    """Fail within ``CONNECT_TIMEOUT`` naming the address when nothing listens there
+    (``ray.init`` itself would retry for minutes); "auto" is left to Ray."""
+    if address.strip() == "auto":
+        return
+    target = address.strip().split("://", 1)[-1]
+    host, sep, port_text = target.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(
+            f"address: {address!r} is invalid; expected 'auto' or 'host:port' of a running "
+            "Ray head (for example '127.0.0.1:6380')"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port_text)), CONNECT_TIMEOUT):
+            pass
+    except OSError as err:
+        raise ConnectionError(
+            f"address: no Ray head answers at {address} ({err}); start one with `ray start "
+            "--head --port=PORT`, or pass address=None for an embedded Ray"
+        ) from None
 
 
 def _place_workers(

@@ -393,6 +393,14 @@ def _worker_failures(step) -> dict:
     except Exception as err:  # the test checks which
         out["dead"] = err
     out["dead_seconds"] = time.monotonic() - t0
+    # An output that lived on the dead worker, fetched: the error names the host and value.
+    lost = next(x for x in jax.tree.leaves(p) if 1 in x.hosts and x._value is None)
+    t0 = time.monotonic()
+    try:
+        np.asarray(lost)
+    except Exception as err:  # the test checks which
+        out["fetch"] = err
+    out["fetch_seconds"] = time.monotonic() - t0
     return out
 
 
@@ -405,7 +413,8 @@ def test_spanning_hosts_and_killed_workers_are_clear_errors(ray_results):
     assert isinstance(errors.get("span"), ConfigError)
     assert re.search(r"stage 0: devices .* span hosts.*span_hosts=True", str(errors["span"]))
     assert errors["killed"]
-    for key in ("mid_step", "dead"):
+    assert "during a fetch of an output of shape" in str(errors.get("fetch"))
+    for key in ("mid_step", "dead", "fetch"):
         assert isinstance(errors.get(key), WorkerFailedError), (key, errors.get(key))
         assert "worker of host 1" in str(errors[key]) and errors[key].host == 1
         assert errors[f"{key}_seconds"] < 30.0

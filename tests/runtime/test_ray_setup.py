@@ -109,6 +109,21 @@ def test_bad_ray_arguments_name_the_field(kwargs, match):
         alpa_mini.init(**kwargs)
 
 
+def test_an_unreachable_or_malformed_address_fails_fast_and_names_it():
+    import socket
+
+    with socket.socket() as s:  # a port of this machine where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"no Ray head answers at 127\.0\.0\.1:{port}"):
+        alpa_mini.init(cluster="ray", address=f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 30.0
+    with pytest.raises(ConfigError, match=r"address: 'nohost' is invalid; expected 'auto' or"):
+        alpa_mini.init(cluster="ray", address="nohost")
+    assert not alpa_mini.is_initialized()
+
+
 @pytest.mark.slow
 def test_connecting_to_a_running_head_leaves_it_running(ray_head):
     import ray
