@@ -118,15 +118,16 @@ def start_ray_session(
     if address is None:
         temp_dir = tempfile.mkdtemp(prefix="alpa-mini-ray-")
         hosts = num_hosts or DEFAULT_CPU_HOSTS
-        ray.init(
-            num_cpus=hosts + 1,
-            num_gpus=0,
-            _temp_dir=temp_dir,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        with _loopback_node():
+            ray.init(
+                num_cpus=hosts + 1,
+                num_gpus=0,
+                _temp_dir=temp_dir,
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
     else:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -137,6 +138,24 @@ def start_ray_session(
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Any:
+    """Keep an embedded Ray on loopback. ``ray.init`` replaces a loopback
+    ``_node_ip_address`` with the machine's reachable address (``resolve_ip_for_localhost``),
+    and every Ray process then binds to that address or to all interfaces. Ray keeps the node
+    on loopback only where clusters are switched off (its macOS/Windows default,
+    ``ray_constants.ENABLE_RAY_CLUSTER``), so that switch is off while this node starts; the
+    processes it starts are then told 127.0.0.1 and bind there."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 #: Seconds ``init`` waits for a Ray head's port to accept a connection.

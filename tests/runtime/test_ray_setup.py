@@ -56,6 +56,9 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         again = alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
         assert (again.num_hosts, again.devices_per_host) == (1, 2)
         pids = [w["pid"] for w in alpa_mini.session.ray_session().worker_info]
+        # Every socket our embedded cluster listens on is loopback.
+        outside = _listening_outside_loopback()
+        assert outside == [], outside
     finally:
         alpa_mini.shutdown()
     assert gone(pids)
@@ -137,3 +140,24 @@ def test_connecting_to_a_running_head_leaves_it_running(ray_head):
     assert not ray.is_initialized()
     assert gone(workers)  # our actors are gone ...
     assert all(alive(p) for p in head_pids)  # ... the head we only connected to is not
+
+
+def _listening_outside_loopback() -> list[tuple[str, int, str]]:
+    """(address, port, process) of every listening socket of this process and the processes
+    it started (the embedded Ray's gcs, raylet, agents and workers) that is not loopback."""
+    import ipaddress
+
+    import psutil
+
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    time.sleep(1.0)  # agents open their ports a moment after init returns
+    found = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status != psutil.CONN_LISTEN or c.pid not in ours:
+            continue
+        ip = ipaddress.ip_address(c.laddr.ip)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            found.append((c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()))
+    return found
