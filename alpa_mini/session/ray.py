@@ -26,6 +26,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -132,12 +133,25 @@ def start_ray_session(
         _check_reachable(address)
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     try:
-        return _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices, span_hosts)
+        session = _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices, span_hosts)
+        if temp_dir:  # after the workers start: Ray re-opens the directory as they do
+            _make_private(temp_dir)
+        return session
     except BaseException:
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+
+
+def _make_private(temp_dir: str) -> None:
+    """Ray opens its temp dir to everyone (0777) and writes its token file world-readable;
+    our embedded cluster's are this user's alone (0700, 0600)."""
+    os.chmod(temp_dir, 0o700)
+    token = Path.home() / ".ray" / "auth_token"
+    with contextlib.suppress(OSError):  # another user's file, or none: leave it
+        if token.is_file() and token.stat().st_uid == os.getuid():
+            os.chmod(token, 0o600)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,9 +57,14 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         again = alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
         assert (again.num_hosts, again.devices_per_host) == (1, 2)
         pids = [w["pid"] for w in alpa_mini.session.ray_session().worker_info]
-        # Every socket our embedded cluster listens on is loopback.
+        # Every socket our embedded cluster listens on is loopback; its files are private.
         outside = _listening_outside_loopback()
         assert outside == [], outside
+        temp_dir = alpa_mini.session.ray_session().temp_dir
+        assert os.stat(temp_dir).st_mode & 0o777 == 0o700
+        token = Path.home() / ".ray" / "auth_token"
+        if token.is_file() and token.stat().st_uid == os.getuid():
+            assert token.stat().st_mode & 0o777 == 0o600
     finally:
         alpa_mini.shutdown()
     assert gone(pids)
