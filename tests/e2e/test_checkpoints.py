@@ -53,16 +53,8 @@ def _same(got, want) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.fixture
-def cpu8():
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    yield
-    alpa_mini.shutdown()
-
-
 @pytest.mark.slow
-def test_pipeshard_outputs_restore_into_another_plans_layouts_and_train_on(cpu8, tmp_path):
+def test_pipeshard_outputs_restore_into_another_plans_layouts_and_train_on(devices8, tmp_path):
     params, batch = _data()
     two = _pipeshard(2)
     p, s, _ = two(params, OPT.init(params), batch)
@@ -95,7 +87,7 @@ def _mlp_loss(p, b):
     return jax.numpy.mean((jax.numpy.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
 
 
-def test_shard_parallel_outputs_round_trip_and_the_newest_are_kept(cpu8, tmp_path):
+def test_shard_parallel_outputs_round_trip_and_the_newest_are_kept(devices8, tmp_path):
     k = jax.random.split(jax.random.key(0), 3)
     params = {"w1": jax.random.normal(k[0], (16, 32)), "w2": jax.random.normal(k[1], (32, 8))}
     batch = {"x": jax.random.normal(k[2], (32, 16)), "y": jax.numpy.zeros((32, 8))}
@@ -121,7 +113,7 @@ def test_shard_parallel_outputs_round_trip_and_the_newest_are_kept(cpu8, tmp_pat
     ]
 
 
-def test_checkpoint_errors_name_the_argument(cpu8, tmp_path):
+def test_checkpoint_errors_name_the_argument(devices8, tmp_path):
     params, _ = _data()
     alpa_mini.save_checkpoint(tmp_path, params, step=5, wait=True)
     with pytest.raises(ConfigError, match=r"step: 5 is invalid; .* already holds step 5"):
