@@ -184,15 +184,16 @@ class ParallelizedFunction:
     def input_layouts(self, *args: Any) -> Any:
         """The layouts the plan for arguments like ``args`` reads each array argument in, as
         ``jax.ShapeDtypeStruct``s shaped like the array arguments (static ones left out): a
-        ``restore_checkpoint`` target that puts values where the step reads them."""
+        ``restore_checkpoint`` target that puts values where the step reads them. On Ray the
+        leaves are ``RemoteSlot``s: the workers whose stages read a value read it."""
         ex = self.get_executable(*args)
         call = self._prepare(args)
+        if hasattr(ex, "remote_slots"):  # on Ray: read on the workers, in their layouts
+            return jax.tree.unflatten(call.in_tree, ex.remote_slots(call.avals))
         if isinstance(ex, Executable):
             shardings: list[Any] = list(ex.input_shardings)
-        elif hasattr(ex, "input_layouts"):
+        else:
             shardings = ex.input_layouts(call.avals)
-        else:  # on Ray the layouts live on the workers: restore onto the driver
-            shardings = [None] * len(call.avals)
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         leaves = [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh or default, weak_type=a.weak_type)

@@ -40,12 +40,18 @@ class MemoryBudgetError(ValueError):
 
 
 class WorkerFailedError(RuntimeError):
-    """A host worker died or stopped answering; ``host`` is its index in the cluster."""
+    """A host worker died or stopped answering; ``host`` is its index in the cluster,
+    ``lost`` the values that lived on it (step outputs not fetched before it failed)."""
 
-    def __init__(self, host: int, info: dict[str, Any], reason: str) -> None:
-        self.host, self.reason = host, reason
+    def __init__(
+        self, host: int, info: dict[str, Any], reason: str, lost: tuple[str, ...] = ()
+    ) -> None:
+        self.host, self.reason, self.lost = host, reason, lost
         where = f"node {info['node_ip']}, pid {info['pid']}" if info else "unknown node"
+        shown = "; ".join(lost[:8]) + (f"; and {len(lost) - 8} more" if len(lost) > 8 else "")
+        values = f"; {len(lost)} values lived on it and are lost: {shown}" if lost else ""
         super().__init__(
-            f"worker of host {host} ({where}) failed: {reason}; call alpa_mini.shutdown() "
-            "and alpa_mini.init(cluster='ray', ...) again"
+            f"worker of host {host} ({where}) failed: {reason}{values}; call "
+            "alpa_mini.shutdown() and alpa_mini.init(cluster='ray', ...) again, then "
+            "alpa_mini.restore_checkpoint(...) to continue from the last checkpoint"
         )

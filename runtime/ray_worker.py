@@ -21,18 +21,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .instructions import Recv, Run, Send, program_runs
+from .checkpoint_io import Part, PartWriter, parts_of, read_region, writer_name
+from .instructions import Put, Recv, Run, Send, program_runs
 from .local import InstructionTiming, LocalRuntime, is_deleted
+from .pieces import Pieces, pieces_for, place
 
-__all__ = ["HostWorker", "Resident", "place"]
+__all__ = ["HostWorker", "Pieces", "Resident", "pieces_for", "place"]
 
 #: Seconds a ``Recv`` waits for its peer before the step fails (a dead peer, not a hang).
 RECV_TIMEOUT = 30.0
 #: In a ``jax.distributed`` group on CPU, at most this many dispatched programs may be
 #: unfinished: gloo collectives hang with about 30 in flight (measured on jax 0.10.2).
 CPU_GROUP_IN_FLIGHT = 8
+
+
+class StepAborted(Exception):
+    """Raised inside ``run_step`` once its step is aborted (a peer failed in it)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,11 @@ class HostWorker:
         self._peers: list[Any] = []
         self._mailbox: dict[tuple[int, str], Any] = {}
         self._arrived = threading.Condition()
+        self._aborted: set[int] = set()  # steps stopped because a host failed in them
         self._resident: dict[str, Any] = {}
         self._timings: list[InstructionTiming] = []
+        self._writer = PartWriter()
+        self._restored = 0
 
     def free_address(self, loopback: bool) -> str:
         """``ip:port`` on this node where a ``jax.distributed`` coordinator can listen."""
@@ -78,7 +88,11 @@ class HostWorker:
         import jax
 
         if coordinator is not None:
-            jax.distributed.initialize(coordinator, num_processes, self.host)
+            # The coordination service listens only where the group was told to connect
+            # (loopback for an embedded Ray), not on every interface (JAX's default).
+            jax.distributed.initialize(
+                coordinator, num_processes, self.host, coordinator_bind_address=coordinator
+            )
             everyone = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
             self.group_devices = everyone
             self._throttle = jax.default_backend() == "cpu"
@@ -132,9 +146,20 @@ class HostWorker:
         self._peers = peers
 
     def deliver(self, step: int, tag: str, value: Any) -> None:
-        """Called by a peer's ``Send``: park ``value`` until this host's ``Recv`` takes it."""
+        """Called by a peer's ``Send``: park ``value`` until this host's ``Recv`` takes it
+        (dropped if that step was aborted)."""
         with self._arrived:
-            self._mailbox[(step, tag)] = value
+            if step not in self._aborted:
+                self._mailbox[(step, tag)] = value
+                self._arrived.notify_all()
+
+    def abort_step(self, step: int) -> None:
+        """Stop ``step`` here: a ``Recv`` waiting for it fails at once, and what peers sent
+        for it is dropped (another host's part of the step failed)."""
+        with self._arrived:
+            self._aborted.add(step)
+            for k in [k for k in self._mailbox if k[0] == step]:
+                del self._mailbox[k]
             self._arrived.notify_all()
 
     def run_step(
@@ -144,6 +169,20 @@ class HostWorker:
         inputs: dict[str, Any],
         release: list[str] = (),
         timed: bool = False,
+    ) -> dict[str, Any] | None:
+        """``_run_step``; None if the step was aborted (``abort_step``) before it ended."""
+        try:
+            return self._run_step(key, step, inputs, release, timed)
+        except StepAborted:
+            return None
+
+    def _run_step(
+        self,
+        key: int,
+        step: int,
+        inputs: dict[str, Any],
+        release: list[str],
+        timed: bool,
     ) -> dict[str, Any]:
         """Run this host's stream of executable ``key`` for one step. The step outputs this
         host holds stay here (resident, in their layouts); returns, per output, the key to
@@ -165,6 +204,8 @@ class HostWorker:
         limit = CPU_GROUP_IN_FLIGHT if self._throttle else runtime.max_in_flight
         self._timings = []
         for index, ins in enumerate(stream):
+            if step in self._aborted:  # a peer failed: nothing of this step is kept
+                raise StepAborted(step)
             start = time.time() if timed else 0.0
             if isinstance(ins, Send):
                 value = buffers[ins.src]
@@ -232,6 +273,54 @@ class HostWorker:
                 pieces[key] = (shard.index, np.asarray(shard.data))
         return list(pieces.values())
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_parts(
+        self, directory: str, items: list[tuple[str, str, tuple[int, ...]]]
+    ) -> list[Part]:
+        """Write resident values under ``directory`` (this host's orbax part tree), in the
+        background: ``items`` are (part name, resident key, row offset in the saved array).
+        Returns once the values are copied off their devices (the next step may overwrite
+        them), with the parts written; ``finish_saves`` waits for the disk."""
+        tree: dict[str, Any] = {}
+        written: list[Part] = []
+        directory = str(Path(directory).with_name(writer_name(Path(directory).name)))
+        for name, rkey, offset in items:
+            arrays, parts = parts_of(Path(directory).name, name, self._resident[rkey], offset)
+            tree.update(arrays)
+            written.extend(parts)
+        if tree:
+            self._writer.write(directory, tree)
+        return written
+
+    def finish_saves(self) -> None:
+        """Block until this worker's checkpoint writes are on disk."""
+        self._writer.wait()
+
+    def restore_parts(
+        self, step_dir: str, requests: list[tuple[int | None, str | None, Any]]
+    ) -> list[tuple[str, tuple[int, ...], str]]:
+        """Read checkpoint regions into resident values: each request is (executable key,
+        step input name, (parts, shape, dtype, region)); the value is laid out as that
+        input's first ``Put`` on this host lays it out (else kept on the host). Returns each
+        value's resident key, shape and dtype."""
+        out = []
+        for key, arg, (parts, shape, dtype, region) in requests:
+            sharding = self._input_layout(key, arg)
+            value = read_region(step_dir, parts, shape, dtype, sharding, region)
+            self._restored += 1
+            rkey = f"restored:{self._restored}"
+            self._resident[rkey] = value
+            out.append((rkey, tuple(value.shape), str(value.dtype)))
+        return out
+
+    def _input_layout(self, key: int | None, arg: str | None) -> Any:
+        """The sharding step input ``arg`` of executable ``key`` is first put in here."""
+        if key is None:
+            return None
+        runtime, stream, _ = self._executables[key]
+        put = next((i for i in stream if isinstance(i, Put) and i.src == arg), None)
+        return None if put is None else runtime.layouts[put.layout]
+
     def release(self, rkeys: list[str]) -> None:
         """Forget resident values nobody holds a handle to any more."""
         for k in rkeys:
@@ -244,6 +333,8 @@ class HostWorker:
         deadline = time.monotonic() + RECV_TIMEOUT
         with self._arrived:
             while (step, ins.tag) not in self._mailbox:
+                if step in self._aborted:
+                    raise StepAborted(step)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -252,104 +343,3 @@ class HostWorker:
                     )
                 self._arrived.wait(left)
             return self._mailbox.pop((step, ins.tag))
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """Parts of one array of ``shape`` and ``dtype``: ``(index, data)`` pairs, ``index`` a
-    tuple of slices into the whole (shards as their holders sent them)."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    parts: tuple[tuple[tuple[slice, ...], Any], ...]
-
-    def merged(self, other: Pieces) -> Pieces:
-        return Pieces(self.shape, self.dtype, self.parts + other.parts)
-
-    def region(self, index: tuple[slice, ...]) -> Any:
-        """The values of ``index`` (a device's shard), put together from the parts."""
-        import numpy as np
-
-        want = [_bounds(s, n) for s, n in zip(index, self.shape, strict=True)]
-        out = np.empty([hi - lo for lo, hi in want], self.dtype)
-        filled = 0
-        for idx, data in self.parts:
-            have = [_bounds(s, n) for s, n in zip(idx, self.shape, strict=True)]
-            lo = [max(a[0], b[0]) for a, b in zip(want, have, strict=True)]
-            hi = [min(a[1], b[1]) for a, b in zip(want, have, strict=True)]
-            if any(l >= h for l, h in zip(lo, hi, strict=True)):
-                continue
-            dst = tuple(slice(l - w[0], h - w[0]) for l, h, w in zip(lo, hi, want, strict=True))
-            src = tuple(slice(l - v[0], h - v[0]) for l, h, v in zip(lo, hi, have, strict=True))
-            out[dst] = data[src]
-            filled += int(np.prod([h - l for l, h in zip(lo, hi, strict=True)]))
-        if filled < out.size:
-            raise RuntimeError(
-                f"a transfer of a {self.shape} array lacks part of {index}: only {filled} of "
-                f"{out.size} values arrived (an instruction stream split wrongly)"
-            )
-        return out
-
-
-def _bounds(s: slice, n: int) -> tuple[int, int]:
-    start, stop, _ = s.indices(n)
-    return start, stop
-
-
-def pieces_for(value: Any, sharding: Any, to: int) -> Pieces:
-    """The shards of ``value`` held on this process that process ``to``'s devices need under
-    ``sharding``, each distinct shard only from the lowest process holding it."""
-    import numpy as np
-
-    shape = tuple(value.shape)
-    if not hasattr(value, "addressable_shards"):  # a host array: all of it
-        whole = tuple(slice(0, n) for n in shape)
-        return Pieces(shape, value.dtype, ((whole, np.asarray(value)),))
-    wanted = [
-        tuple(_bounds(s, n) for s, n in zip(idx, shape, strict=True))
-        for d, idx in sharding.devices_indices_map(shape).items()
-        if d.process_index == to
-    ]
-    first_holder: dict[Any, int] = {}
-    for d, idx in value.sharding.devices_indices_map(shape).items():
-        key = tuple(_bounds(s, n) for s, n in zip(idx, shape, strict=True))
-        first_holder[key] = min(first_holder.get(key, d.process_index), d.process_index)
-    parts, seen = [], set()
-    for shard in value.addressable_shards:
-        key = tuple(_bounds(s, n) for s, n in zip(shard.index, shape, strict=True))
-        if key in seen or first_holder[key] != shard.device.process_index:
-            continue
-        seen.add(key)
-        overlaps = any(
-            all(max(a[0], b[0]) < min(a[1], b[1]) for a, b in zip(key, w, strict=True))
-            for w in wanted
-        )
-        if overlaps or not shape:
-            parts.append((shard.index, np.asarray(shard.data)))
-    return Pieces(shape, value.dtype, tuple(parts))
-
-
-def place(value: Any, sharding: Any) -> Any:
-    """``value`` laid out as ``sharding``, also where either spans hosts of a group.
-
-    A value held whole on this host (numpy, or an array on local devices) becomes this
-    host's shards of a sharding that spans hosts (every member host does the same with its
-    own whole copy); received ``Pieces`` become the shards they cover. A value that spans
-    hosts can only be re-laid over the same devices (JAX moves nothing between device sets
-    across processes): it crosses by ``Send``/``Recv`` of its pieces instead.
-    """
-    import jax
-
-    if isinstance(value, Pieces):
-        return jax.make_array_from_callback(value.shape, sharding, value.region)
-    if getattr(value, "is_fully_addressable", True):
-        if sharding.is_fully_addressable or not isinstance(value, jax.Array):
-            return jax.device_put(value, sharding)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-    if value.sharding.device_set != sharding.device_set:
-        raise RuntimeError(
-            f"a value sharded over devices {sorted(d.id for d in value.sharding.device_set)} "
-            f"cannot move to devices {sorted(d.id for d in sharding.device_set)} but by "
-            "Send/Recv of its pieces (an instruction stream split wrongly)"
-        )
-    return jax.device_put(value, sharding)

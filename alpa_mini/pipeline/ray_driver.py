@@ -54,6 +54,7 @@ __all__ = [
     "HostStreams",
     "RayPipeshardExecutable",
     "RemoteArray",
+    "RemoteSlot",
     "StackedRemoteArray",
     "WorkerBuilder",
     "compile_pipeshard_ray",
@@ -61,8 +62,11 @@ __all__ = [
     "stage_hosts",
 ]
 
-#: Seconds one step may take before the driver reports the workers that did not answer.
+#: Seconds one step may take before the driver reports the workers that did not answer,
+#: and between the driver's pings of the workers while it waits (a stopped worker is
+#: reported within this plus the ping's 5 s).
 STEP_TIMEOUT = 300.0
+STEP_POLL = 10.0
 
 
 def stage_hosts(
@@ -276,7 +280,6 @@ class RayPipeshardExecutable:
     static_argnums: tuple[int, ...]
     planning_time: float
     last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
-    _steps: Any = field(default_factory=itertools.count)
     #: The user's flat leaves <-> the step's when scanned stacks are split into row pieces.
     pieces: PieceMap | None = None
     _program_table: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
@@ -351,12 +354,11 @@ class RayPipeshardExecutable:
         return self._program_table
 
     def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
-        import ray
 
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
         if self.pieces is not None:
             flat = self.pieces.split_inputs(flat, lambda x, a, b, i: _remote_rows(x, a, b))
-        step = next(self._steps)
+        step = next(self.session.steps)  # unique in the session: mailboxes never mix steps
         workers = self.session.workers
         t0 = time.perf_counter()
         garbage, self.session.garbage[:] = list(self.session.garbage), []
@@ -372,28 +374,10 @@ class RayPipeshardExecutable:
         ]
         self.last_dispatch_seconds = time.perf_counter() - t0
         held: dict[str, dict[str, Any]] = {}
-        host_of = {ref: host for host, ref in enumerate(refs)}
-        pending, deadline = list(refs), time.monotonic() + STEP_TIMEOUT
-        while pending:
-            # Whichever worker finishes (or dies) first: a dead worker fails at once, while
-            # its peers would only time out waiting for what it never sends.
-            done, pending = ray.wait(pending, timeout=max(deadline - time.monotonic(), 0))
-            if not done:
-                host = host_of[pending[0]]
-                reason = f"step {step} did not finish within {STEP_TIMEOUT:.0f} s"
-                raise WorkerFailedError(host, self.session.worker_info[host], reason)
-            for ref in done:
-                host = host_of[ref]
-                try:
-                    for name, (rkey, shape, dtype) in ray.get(ref).items():
-                        entry = held.setdefault(name, {"keys": [], "shape": shape, "dtype": dtype})
-                        entry["keys"].append((host, rkey))
-                except ray.exceptions.RayActorError as err:
-                    info = self.session.worker_info[host]
-                    raise WorkerFailedError(host, info, f"during step {step}: {err}") from None
-                except ray.exceptions.RayTaskError as err:
-                    self.session.check_workers(timeout=5.0)  # a dead peer is the real cause
-                    raise RuntimeError(f"host {host} failed in step {step}: {err}") from None
+        for host, result in self._collect(step, refs):
+            for name, (rkey, shape, dtype) in result.items():
+                entry = held.setdefault(name, {"keys": [], "shape": shape, "dtype": dtype})
+                entry["keys"].append((host, rkey))
         outs = []
         for o, name in enumerate(self.out_names):
             if name is None:
@@ -407,7 +391,94 @@ class RayPipeshardExecutable:
                 outs.append(flat[int(name[3:])])
         if self.pieces is not None:
             outs = self.pieces.join_outputs(outs, _join_remote)
+        self._label(outs, step)
         return jax.tree.unflatten(self.out_tree, outs)
+
+    def _collect(self, step: int, refs: list[Any]) -> list[tuple[int, Any]]:
+        """Every host's result of ``step``. A worker that dies, or stops answering the
+        driver's pings (every ``STEP_POLL`` s), is a ``WorkerFailedError``; a host whose
+        part of the step raised stops the step on every host before the error is raised, so
+        the session stays usable for the next step."""
+        import ray
+
+        host_of = {ref: host for host, ref in enumerate(refs)}
+        results, pending = [], list(refs)
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while pending:
+            # Whichever worker finishes (or dies) first: a dead worker fails at once, while
+            # its peers would only time out waiting for what it never sends.
+            done, pending = ray.wait(pending, timeout=STEP_POLL)
+            if not done:
+                self._check(step)
+                if time.monotonic() > deadline:
+                    host = host_of[pending[0]]
+                    reason = f"step {step} did not finish within {STEP_TIMEOUT:.0f} s"
+                    raise self.session.failure(host, reason)
+                continue
+            for ref in done:
+                host = host_of[ref]
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self._abort(step, [], check=False)
+                    raise self.session.failure(host, f"during step {step}: {err}") from None
+                except ray.exceptions.RayTaskError as err:
+                    self._abort(step, pending)
+                    raise RuntimeError(
+                        f"host {host} failed in step {step}: {err.cause!r}; every host stopped "
+                        "that step, and the session is ready for the next one"
+                    ) from None
+                if result is None:  # aborted: only after another host failed, reported above
+                    raise RuntimeError(f"host {host}: step {step} was aborted")
+                results.append((host, result))
+        return results
+
+    def _check(self, step: int) -> None:
+        """Ping the workers while a step runs: a stopped or dead one fails the step (and
+        the step stops on the others)."""
+        try:
+            self.session.check_workers(timeout=5.0)
+        except WorkerFailedError as err:
+            self._abort(step, [], check=False)
+            raise self.session.failure(err.host, f"during step {step}: {err.reason}") from None
+
+    def _abort(self, step: int, pending: list[Any], check: bool = True) -> None:
+        """Stop ``step`` on the hosts still running it (their ``Recv``s would wait for a
+        host that failed) and wait until they have; with ``check``, a worker that cannot be
+        stopped is a ``WorkerFailedError`` (the session must then be re-initialised)."""
+        import ray
+
+        for w in self.session.workers:
+            w.abort_step.remote(step)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=STEP_POLL)
+        if check:
+            self._check(step)
+
+    def _label(self, outs: list[Any], step: int) -> None:
+        """Name each output handle (key path, step) for the errors that report it lost."""
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(self.out_tree, range(len(outs)))
+        )[0]
+        for (path, _), x in zip(paths, outs, strict=True):
+            name = f"{self.fun_name} output{jax.tree_util.keystr(path)} of step {step}"
+            if isinstance(x, StackedRemoteArray):
+                for part, a in zip(x.parts, x.starts, strict=False):
+                    part.label = f"{name} (rows {a}:{a + part.shape[0]})"
+            if isinstance(x, RemoteArray):
+                x.label = name
+
+    def remote_slots(self, avals: Sequence[Any]) -> list[RemoteSlot]:
+        """Where this step reads each argument leaf: ``restore_checkpoint`` targets that put
+        values on the workers reading them, in the layouts they read them in."""
+        return [RemoteSlot(self, i, tuple(a.shape), np.dtype(a.dtype)) for i, a in enumerate(avals)]
+
+    def step_inputs(self, leaf: int) -> list[tuple[str, int | None, int | None]]:
+        """The step inputs user argument leaf ``leaf`` becomes: (name, first row, stop row),
+        rows None for the whole leaf (several: a scanned stack cut into row pieces)."""
+        if self.pieces is None:
+            return [(f"arg{leaf}", None, None)]
+        return [(f"arg{j}", a, b) for j, (k, a, b) in enumerate(self.pieces.inputs) if k == leaf]
 
     def _input(self, leaf: Any, host: int, name: str) -> Any:
         """What a worker gets for step input ``name``: a reference to its own resident copy
@@ -416,18 +487,32 @@ class RayPipeshardExecutable:
         (JAX cannot move it to other devices across processes)."""
         if isinstance(leaf, RemoteArray) and leaf.session is self.session:
             here = dict(leaf.keys).get(host)
-            if here is not None and len(leaf.keys) == 1:
-                return Resident(here)
+            if here is not None and (len(leaf.keys) == 1 or not leaf.devices):
+                return Resident(here)  # held here alone, or a whole copy on each host
             if here is not None and self.arg_devices.get(name) == {leaf.devices}:
                 return Resident(here)
         return np.asarray(leaf)
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteSlot:
+    """Argument leaf ``leaf`` of a step on Ray, as a ``restore_checkpoint`` target: the
+    value is read on the workers whose stages read it, in their layouts, and comes back as
+    a ``RemoteArray`` that the step uses in place."""
+
+    executable: RayPipeshardExecutable
+    leaf: int
+    shape: tuple[int, ...]
+    dtype: Any
 
 
 class RemoteArray:
     """A step output that stays on the host worker(s) that computed it. ``np.asarray(x)``
     fetches it (once); passed back into a step on the same worker it is used in place, so
     parameters and optimiser state stay on their workers between steps. A value sharded
-    over the devices of several hosts (a stage mesh spanning hosts) has a key on each."""
+    over the devices of several hosts (a stage mesh spanning hosts) has a key on each, and
+    ``devices`` names them; several keys without ``devices`` are whole copies (a restored
+    value that stages on several hosts read)."""
 
     def __init__(
         self,
@@ -441,6 +526,8 @@ class RemoteArray:
         self.devices = devices  # plan devices of the spanning mesh it is sharded over
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self._value: np.ndarray | None = None
+        self.label = f"an array of shape {self.shape}"  # what errors call it
+        session.handles.add(self)
 
     @property
     def host(self) -> int:
@@ -466,7 +553,7 @@ class RemoteArray:
                     "alpa_mini.shutdown() removed; fetch outputs (np.asarray) before shutting "
                     "down"
                 )
-            got = _fetch(self.session, self.keys, self.shape)
+            got = _fetch(self.session, self.keys, self.label)
             if isinstance(got[0], np.ndarray):
                 self._value = got[0]
             else:  # pieces of a value sharded over several hosts
@@ -490,36 +577,41 @@ class RemoteArray:
 
 #: Seconds between checks of the workers while a fetch waits (a dead worker is named at
 #: once; a stopped one within this plus ``check_workers``' 5 s), and the most a fetch waits.
-FETCH_POLL = 20.0
+FETCH_POLL = 10.0
 FETCH_LIMIT = 600.0
 
 
-def _fetch(session: RaySession, keys: Sequence[tuple[int, str]], shape: Any) -> list[Any]:
-    """The workers' copies of one output. A worker that died or stopped answering is a
-    ``WorkerFailedError`` naming its host and the value lost with it; a fetch that is still
-    moving data after ``FETCH_LIMIT`` seconds is a ``TimeoutError``."""
+def _fetch(session: RaySession, keys: Sequence[tuple[int, str]], label: str) -> list[Any]:
+    """The workers' copies of one output (see ``await_workers``)."""
+    refs = {h: session.workers[h].fetch.remote(k) for h, k in keys}
+    return list(await_workers(session, refs, f"a fetch of {label}"))
+
+
+def await_workers(
+    session: RaySession, refs: dict[int, Any], what: str, limit: float = FETCH_LIMIT
+) -> list[Any]:
+    """The results of remote calls on host workers (``{host: ref}``), in host order. A
+    worker that died or stopped answering is a ``WorkerFailedError`` naming its host and
+    ``what`` was under way; calls still busy after ``limit`` seconds while the workers
+    answer are a ``TimeoutError``."""
     import ray
 
-    refs = {h: session.workers[h].fetch.remote(k) for h, k in keys}
-    what = f"an output of shape {tuple(shape)}"
     start = time.monotonic()
     while True:
         try:
             return ray.get(list(refs.values()), timeout=FETCH_POLL)
         except ray.exceptions.RayActorError as err:
-            host = next((h for h, r in refs.items() if _died(r)), keys[0][0])
-            reason = f"during a fetch of {what}, lost with it ({type(err).__name__})"
-            raise WorkerFailedError(host, session.worker_info[host], reason) from None
+            host = next((h for h, r in refs.items() if _died(r)), next(iter(refs)))
+            raise session.failure(host, f"during {what} ({type(err).__name__})") from None
         except ray.exceptions.GetTimeoutError:
             try:
                 session.check_workers(timeout=5.0)
             except WorkerFailedError as err:
-                reason = f"during a fetch of {what}: {err.reason}"
-                raise WorkerFailedError(err.host, session.worker_info[err.host], reason) from None
-            if time.monotonic() - start > FETCH_LIMIT:
+                raise session.failure(err.host, f"during {what}: {err.reason}") from None
+            if time.monotonic() - start > limit:
                 raise TimeoutError(
-                    f"a fetch of {what} from hosts {[h for h, _ in keys]} did not finish "
-                    f"within {FETCH_LIMIT:g} s although the workers answer"
+                    f"{what} on hosts {sorted(refs)} did not finish within {limit:g} s "
+                    "although the workers answer"
                 ) from None
 
 

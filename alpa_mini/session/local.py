@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 from ..cluster.spec import ClusterSpec, _looks_like_path, available_clusters
@@ -137,8 +138,16 @@ def ray_session() -> Any:
 
 
 def _close_ray() -> None:
+    """Close the Ray session; first let checkpoint saves in flight finish, as their
+    workers are about to go (a save that cannot finish is a warning, not lost silently)."""
     global _ray
     if _ray is not None:
+        from .checkpoint import wait_for_checkpoints
+
+        try:
+            wait_for_checkpoints()
+        except Exception as err:  # shutdown must still close the session
+            warnings.warn(f"shutdown(): {err}", RuntimeWarning, stacklevel=3)
         session, _ray = _ray, None
         session.close()
 

@@ -2,8 +2,10 @@
 describe what the workers see as a ``ClusterSpec``.
 
 - ``address=None`` starts an embedded single-node Ray (loopback only, no dashboard, a temp
-  dir of its own) and stops it again at ``shutdown``; ``"auto"`` or ``"host:port"`` connects
-  to a running cluster (``ray start --head ...``) and only disconnects.
+  dir of its own, 0700) and stops it again at ``shutdown``; a watchdog process
+  (``reaper``) kills what it started and removes the temp dir if the driver dies first.
+  ``"auto"`` or ``"host:port"`` connects to a running cluster (``ray start --head ...``)
+  and only disconnects.
 - A cluster with GPUs gets one worker per GPU node, holding all of that node's GPUs
   (placement group, ``STRICT_SPREAD``). Without GPUs it is the CPU test mode: ``num_hosts``
   simulated hosts, each a worker process with ``num_cpu_devices`` JAX CPU devices.
@@ -20,11 +22,14 @@ describe what the workers see as a ``ClusterSpec``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import socket
 import sys
 import tempfile
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +38,7 @@ from typing import Any
 from .._validate import positive_int
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
+from .reaper import start_reaper, stop_reaper
 
 __all__ = ["RaySession", "start_ray_session"]
 
@@ -54,7 +60,21 @@ class RaySession:
     temp_dir: str | None
     worker_info: list[dict[str, Any]] = field(default_factory=list)
     span_hosts: bool = False  # the workers form one jax.distributed group
+    reaper: Any = None  # the watchdog that cleans up an embedded Ray if the driver dies
     garbage: list[tuple[int, str]] = field(default_factory=list)  # (host, resident key)
+    steps: Iterator[int] = field(default_factory=itertools.count)  # step ids, session-wide
+    handles: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # live RemoteArrays
+
+    def failure(self, host: int, reason: str) -> WorkerFailedError:
+        """The error for host ``host``'s worker failing: names the values held there that
+        the driver still has handles to and has not fetched (lost with the worker)."""
+        lost = sorted(
+            x.label
+            for x in list(self.handles)
+            if x._value is None and host in (h for h, _ in x.keys)
+        )
+        where = self.worker_info[host] if host < len(self.worker_info) else {}
+        return WorkerFailedError(host, where, reason, lost=tuple(lost))
 
     def check_workers(self, timeout: float = 10.0) -> None:
         """Ping every worker; a dead or unresponsive one raises ``WorkerFailedError`` naming
@@ -63,14 +83,12 @@ class RaySession:
 
         refs = [w.ping.remote() for w in self.workers]
         for host, ref in enumerate(refs):
-            where = self.worker_info[host] if host < len(self.worker_info) else {}
             try:
                 ray.get(ref, timeout=timeout)
             except ray.exceptions.GetTimeoutError:
-                raise WorkerFailedError(host, where, f"no answer within {timeout:g} s") from None
+                raise self.failure(host, f"no answer within {timeout:g} s") from None
             except ray.exceptions.RayActorError as err:
-                reason = f"the actor died ({type(err).__name__})"
-                raise WorkerFailedError(host, where, reason) from None
+                raise self.failure(host, f"the actor died ({type(err).__name__})") from None
 
     def close(self) -> None:
         """Kill our actors, remove our placement group, stop Ray if we started it."""
@@ -88,6 +106,7 @@ class RaySession:
         ray.shutdown()
         if self.started_ray and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        stop_reaper(self.reaper)
 
 
 def start_ray_session(
@@ -115,9 +134,10 @@ def start_ray_session(
             "init(cluster='ray'): this process is already connected to Ray; call "
             "alpa_mini.shutdown() (or ray.shutdown()) first"
         )
-    temp_dir = None
+    temp_dir, reaper = None, None
     if address is None:
-        temp_dir = tempfile.mkdtemp(prefix="alpa-mini-ray-")
+        temp_dir = tempfile.mkdtemp(prefix="alpa-mini-ray-")  # 0700
+        reaper = start_reaper(temp_dir)
         hosts = num_hosts or DEFAULT_CPU_HOSTS
         with _loopback_node():
             ray.init(
@@ -136,11 +156,13 @@ def start_ray_session(
         session = _place_workers(address is None, temp_dir, num_hosts, num_cpu_devices, span_hosts)
         if temp_dir:  # after the workers start: Ray re-opens the directory as they do
             _make_private(temp_dir)
+        session.reaper = reaper
         return session
     except BaseException:
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_reaper(reaper)
         raise
 
 

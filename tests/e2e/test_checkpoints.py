@@ -127,6 +127,46 @@ def test_checkpoint_errors_name_the_argument(devices8, tmp_path):
         alpa_mini.restore_checkpoint(tmp_path / "missing")
     with pytest.raises(ConfigError, match=r"step: -1 is invalid"):
         alpa_mini.save_checkpoint(tmp_path, params, step=-1)
+    with pytest.raises(ConfigError, match=r"target\['name'\]: str .* not an array of numbers"):
+        alpa_mini.save_checkpoint(tmp_path / "other", {"name": "gpt", "w": 1.0}, step=1)
+
+
+def test_an_edited_manifest_is_refused_naming_the_field(tmp_path):
+    import json
+
+    alpa_mini.save_checkpoint(tmp_path, {"w": np.arange(6.0).reshape(2, 3), "n": 7}, 1, wait=True)
+    assert alpa_mini.restore_checkpoint(tmp_path)["n"] == 7
+    file = tmp_path / "1" / "manifest.json"
+    good = json.loads(file.read_text())
+    edits = {
+        r"unreadable checkpoint manifest": "{not json",
+        r"format: not an alpa_mini checkpoint": {**good, "format": "other"},
+        r"version: 9 is not supported": {**good, "version": 9},
+        r"leaves\[0\]\.dtype: 'float99' is not a dtype": _edit(good, dtype="float99"),
+        r"leaves\[0\]\.shape: \[-2\] is invalid": _edit(good, shape=[-2]),
+        r"leaves\[0\]\.parts\[0\]: region \[0\]\.\.\[9\] is not inside": _edit(
+            good, parts=[{"writer": "driver", "name": "0", "start": [0], "stop": [9]}]
+        ),
+        r"leaves\[0\]\.parts: cover 1 values of an array of 2": _edit(
+            good, shape=[2], parts=[{"writer": "driver", "name": "1", "start": [0], "stop": [1]}]
+        ),
+        r"leaves\[0\]\.parts\[0\]\.writer: '\.\./x' is not a writer": _edit(
+            good, parts=[{"writer": "../x", "name": "0", "start": [], "stop": []}]
+        ),
+    }
+    for message, data in edits.items():
+        file.write_text(data if isinstance(data, str) else json.dumps(data))
+        with pytest.raises(ConfigError, match=message):
+            alpa_mini.restore_checkpoint(tmp_path)
+
+
+def _edit(manifest: dict, **fields) -> dict:
+    """``manifest`` with its leaf ``n`` (a scalar) changed."""
+    leaves = [dict(leaf) for leaf in manifest["leaves"]]
+    at = next(i for i, leaf in enumerate(leaves) if leaf["path"] == [["key", "n"]])
+    leaves[at].update(fields)
+    leaves.insert(0, leaves.pop(at))
+    return {**manifest, "leaves": leaves}
 
 
 CRASH = textwrap.dedent(

@@ -37,6 +37,27 @@ def gone(pids: list[int], timeout: float = 20.0) -> bool:
     return False
 
 
+def listening_outside_loopback() -> list[tuple[str, int, str]]:
+    """(address, port, process) of every listening socket of this process and the processes
+    it started (the embedded Ray's gcs, raylet, agents and workers) that is not loopback."""
+    import ipaddress
+
+    import psutil
+
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    time.sleep(1.0)  # agents open their ports a moment after init returns
+    found = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.status != psutil.CONN_LISTEN or c.pid not in ours:
+            continue
+        ip = ipaddress.ip_address(c.laddr.ip)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            found.append((c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()))
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

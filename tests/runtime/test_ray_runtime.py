@@ -33,6 +33,7 @@ from alpa_mini.models import (
     make_train_step,
     sgd,
 )
+from helpers.ray_heads import listening_outside_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -326,6 +327,25 @@ def test_a_stage_mesh_spanning_two_hosts_equals_serial_jax_and_the_local_runtime
             if flat[int(n[3:])] in spread
         ]
         assert sum(in_place) > len(in_place) // 2
+        # The group's coordinator listens on loopback too.
+        outside = listening_outside_loopback()
+        assert outside == [], outside
+        # Checkpointed where it lives: each host writes its pieces of the state spread over
+        # hosts 0 and 1; restored into the step's layouts, it is spread there again.
+        ckpt = tmp_path / "ckpt"
+        alpa_mini.save_checkpoint(ckpt, (kept["p"], kept["s"]), step=3, wait=True)
+        layouts = step.input_layouts(kept["p"], kept["s"], kept["batch"])[:2]
+        restored = jax.tree.leaves(alpa_mini.restore_checkpoint(ckpt, target=layouts))
+        for a, b in zip(restored, leaves, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        again = [x for x in restored if x.hosts == (0, 1)]
+        assert again and all(x.devices == tuple(range(8)) for x in again)
+        reads = [(h, n) for h, need in enumerate(ex.needs) for n in need]
+        assert all(  # every worker reads its restored state in place
+            isinstance(ex._input(restored[int(n[3:])], h, n), Resident)
+            for h, n in reads
+            if int(n[3:]) < len(restored)
+        )
     finally:
         alpa_mini.shutdown()
     s_leaves, s_losses = _serial()
@@ -413,7 +433,9 @@ def test_spanning_hosts_and_killed_workers_are_clear_errors(ray_results):
     assert isinstance(errors.get("span"), ConfigError)
     assert re.search(r"stage 0: devices .* span hosts.*span_hosts=True", str(errors["span"]))
     assert errors["killed"]
-    assert "during a fetch of an output of shape" in str(errors.get("fetch"))
+    fetch = str(errors.get("fetch"))
+    assert re.search(r"during a fetch of \w+ output\[0\]\[.*\] of step \d+", fetch), fetch
+    assert errors["fetch"].lost and all("of step" in v for v in errors["fetch"].lost)
     for key in ("mid_step", "dead", "fetch"):
         assert isinstance(errors.get(key), WorkerFailedError), (key, errors.get(key))
         assert "worker of host 1" in str(errors[key]) and errors[key].host == 1

@@ -12,7 +12,7 @@ import pytest
 import alpa_mini
 from alpa_mini import ConfigError
 from alpa_mini.session.ray import describe_workers, gpu_node_counts
-from helpers.ray_heads import alive, gone
+from helpers.ray_heads import alive, gone, listening_outside_loopback
 
 
 @pytest.mark.slow
@@ -58,7 +58,7 @@ def test_cpu_mode_one_worker_per_simulated_host_failure_and_clean_shutdown():
         assert (again.num_hosts, again.devices_per_host) == (1, 2)
         pids = [w["pid"] for w in alpa_mini.session.ray_session().worker_info]
         # Every socket our embedded cluster listens on is loopback; its files are private.
-        outside = _listening_outside_loopback()
+        outside = listening_outside_loopback()
         assert outside == [], outside
         temp_dir = alpa_mini.session.ray_session().temp_dir
         assert os.stat(temp_dir).st_mode & 0o777 == 0o700
@@ -121,6 +121,8 @@ def test_bad_ray_arguments_name_the_field(kwargs, match):
 def test_an_unreachable_or_malformed_address_fails_fast_and_names_it():
     import socket
 
+    alpa_mini.shutdown()  # whatever an earlier test on this worker left
+
     with socket.socket() as s:  # a port of this machine where nothing listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -148,22 +150,47 @@ def test_connecting_to_a_running_head_leaves_it_running(ray_head):
     assert all(alive(p) for p in head_pids)  # ... the head we only connected to is not
 
 
-def _listening_outside_loopback() -> list[tuple[str, int, str]]:
-    """(address, port, process) of every listening socket of this process and the processes
-    it started (the embedded Ray's gcs, raylet, agents and workers) that is not loopback."""
-    import ipaddress
+_DRIVER = """
+import json, time
+import alpa_mini
+alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
+session = alpa_mini.session.ray_session()
+print(json.dumps({"temp_dir": session.temp_dir}), flush=True)
+time.sleep(300)
+"""
 
-    import psutil
 
-    me = psutil.Process()
-    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
-    time.sleep(1.0)  # agents open their ports a moment after init returns
-    found = []
-    for c in psutil.net_connections(kind="inet"):
-        if c.status != psutil.CONN_LISTEN or c.pid not in ours:
-            continue
-        ip = ipaddress.ip_address(c.laddr.ip)
-        mapped = getattr(ip, "ipv4_mapped", None)
-        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
-            found.append((c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()))
-    return found
+@pytest.mark.slow
+def test_a_driver_that_dies_leaves_no_process_port_or_temp_dir_behind():
+    """SIGINT, SIGTERM or SIGKILL to a driver with an embedded Ray: within 20 s every
+    process of its cluster is gone and its temp dir removed (the reaper does it)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from helpers.ray_heads import _descendants, _ours
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    drivers = {
+        sig: subprocess.Popen(
+            [sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+    }
+    try:
+        started = {sig: json.loads(p.stdout.readline())["temp_dir"] for sig, p in drivers.items()}
+        for sig, proc in drivers.items():
+            temp_dir = started[sig]
+            ours = _descendants(_ours(temp_dir)) - {proc.pid}
+            assert len(ours) >= 3, ours  # GCS, raylet, the host worker at least
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+            assert gone(list(ours), timeout=20.0), (sig, [p for p in ours if alive(p)])
+            deadline = time.monotonic() + 10
+            while os.path.exists(temp_dir) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not os.path.exists(temp_dir), sig
+    finally:
+        for proc in drivers.values():
+            proc.kill()
