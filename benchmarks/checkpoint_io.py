@@ -1,11 +1,13 @@
 """Checkpoint throughput: ``save_checkpoint`` and ``restore_checkpoint`` of a GPT's
-parameters and Adam state (a few hundred MB) on the CPU test mode's 8 devices.
+parameters and Adam state (a few hundred MB) in the CPU test mode, on the local runtime
+(8 devices) and on an embedded Ray of 2 host workers x 4 devices.
 
-The state lives as a 2-stage pipeshard step leaves it (two stage meshes, the scanned block
-stack sharded along its layer axis over all 8 devices). Per repetition, alternating which goes
-first: a save (timed until it is on disk, ``wait=True``; how long the call itself blocks is
-reported beside it) and a restore into the step's ``input_layouts`` (timed until every array
-is ready). Run alone: ``python -m benchmarks.checkpoint_io``.
+The state lives as a 2-stage pipeshard step leaves it (locally: two stage meshes, the
+scanned block stack sharded along its layer axis over all 8 devices; on Ray: on the
+workers). Per repetition, alternating which goes first: a save (timed until it is on disk;
+how long the call itself blocks is reported beside it) and a restore into the step's
+``input_layouts`` (timed until every array is ready). Run alone:
+``python -m benchmarks.checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -51,53 +53,76 @@ def _state():
     return (p, s), step.input_layouts(p, s, batch)[:2]
 
 
-def main() -> None:
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    state, layouts = _state()
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    root = Path(tempfile.mkdtemp(prefix="alpa-mini-ckpt-bench-"))
+def _measure(state, layouts, root: Path) -> tuple[float, float, float]:
+    """Median seconds of: the save call, the save until on disk, the restore until every
+    array is ready (``REPEATS`` each, alternating which goes first)."""
     saves, calls, restores = [], [], []
+    for rep in range(REPEATS):
+        directory = root / f"run{rep}"
+        order = ("save", "restore") if rep % 2 == 0 else ("restore", "save")
+        for what in order:
+            if what == "save":
+                t0 = time.perf_counter()
+                alpa_mini.save_checkpoint(directory, state, step=rep + 1)
+                calls.append(time.perf_counter() - t0)
+                alpa_mini.session.checkpoint.wait_for_checkpoints()
+                saves.append(time.perf_counter() - t0)
+            else:
+                source = root / "run0"
+                if not source.exists():  # nothing saved yet: save one first (not timed)
+                    alpa_mini.save_checkpoint(source, state, step=1, wait=True)
+                t0 = time.perf_counter()
+                restored = alpa_mini.restore_checkpoint(source, target=layouts)
+                jax.block_until_ready(restored)  # on Ray: ready when the handles return
+                restores.append(time.perf_counter() - t0)
+                del restored
+    return tuple(statistics.median(x) for x in (calls, saves, restores))
+
+
+def main() -> None:
+    rows = {}
+    root = Path(tempfile.mkdtemp(prefix="alpa-mini-ckpt-bench-"))
     try:
-        for rep in range(REPEATS):
-            directory = root / f"run{rep}"
-            order = ("save", "restore") if rep % 2 == 0 else ("restore", "save")
-            for what in order:
-                if what == "save":
-                    t0 = time.perf_counter()
-                    alpa_mini.save_checkpoint(directory, state, step=rep + 1)
-                    calls.append(time.perf_counter() - t0)
-                    alpa_mini.session.checkpoint.wait_for_checkpoints()
-                    saves.append(time.perf_counter() - t0)
-                else:
-                    source = root / "run0" if (root / "run0").exists() else None
-                    if source is None:  # nothing saved yet: save one first (not timed)
-                        alpa_mini.save_checkpoint(root / "run0", state, step=1, wait=True)
-                        source = root / "run0"
-                    t0 = time.perf_counter()
-                    restored = alpa_mini.restore_checkpoint(source, target=layouts)
-                    jax.block_until_ready(restored)
-                    restores.append(time.perf_counter() - t0)
+        alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+        state, layouts = _state()
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        count = len(jax.tree.leaves(state))
+        rows["local runtime, cpu-1x8 (the driver writes)"] = _measure(
+            state, layouts, root / "local"
+        )
+        del state, layouts
+        alpa_mini.shutdown()
+        alpa_mini.init(cluster="ray", num_hosts=2, num_cpu_devices=4)
+        state, layouts = _state()
+        rows["Ray, 2 hosts x 4 (each worker writes its own)"] = _measure(
+            state, layouts, root / "ray"
+        )
+        del state, layouts
     finally:
+        alpa_mini.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     mb = nbytes / 2**20
-    save, restore, call = (statistics.median(x) for x in (saves, restores, calls))
+    lines = [
+        f"| {where} | {call:.2f} | {save:.2f} | {mb / save:.0f} | {restore:.2f} | "
+        f"{mb / restore:.0f} |"
+        for where, (call, save, restore) in rows.items()
+    ]
     text = "\n".join(
         [
             "## Checkpoint throughput",
             "",
             f"Command: `python -m benchmarks.checkpoint_io` ({datetime.date.today().isoformat()}),"
-            " alone. CPU test mode, 8 devices of `cpu-1x8`; a scanned GPT (8 layers, hidden "
-            f"512, vocab 8192) with Adam state: {mb:.0f} MiB in {len(jax.tree.leaves(state))} "
-            "arrays as a 2-stage pipeshard step returns them (two stage meshes; the block stack "
-            f"sharded along its layer axis over all 8 devices). Median of {REPEATS} runs, save "
-            "and restore alternating first. Save: until on disk; restore: into the step's "
-            "`input_layouts`, until every array is ready.",
+            " alone. CPU test mode; a scanned GPT (8 layers, hidden 512, vocab 8192) with Adam "
+            f"state: {mb:.0f} MiB in {count} arrays as a 2-stage pipeshard step returns them "
+            "(locally: two stage meshes of `cpu-1x8`, the block stack sharded along its layer "
+            "axis over all 8 devices; on Ray: one stage per host worker, the values on the "
+            f"workers). Median of {REPEATS} runs, save and restore alternating first. Save: "
+            "until on disk; restore: into the step's `input_layouts`, until every array is "
+            "ready (on Ray: on the workers that read it, in their layouts).",
             "",
-            "| operation | seconds | MiB/s |",
-            "|---|---:|---:|",
-            f"| save (call returns) | {call:.2f} | – |",
-            f"| save (on disk) | {save:.2f} | {mb / save:.0f} |",
-            f"| restore | {restore:.2f} | {mb / restore:.0f} |",
+            "| where | save call s | save s | save MiB/s | restore s | restore MiB/s |",
+            "|---|---:|---:|---:|---:|---:|",
+            *lines,
         ]
     )
     print(text)

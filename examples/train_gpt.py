@@ -4,6 +4,8 @@
     python examples/train_gpt.py --cluster ray            # embedded Ray: 2 host workers x 4
     python examples/train_gpt.py --cluster ray --address auto   # a running Ray cluster
     python examples/train_gpt.py --cluster ray --stage-hosts 2  # one stage over both hosts
+    python examples/train_gpt.py --steps 20 --checkpoint-dir ckpt --checkpoint-every 5
+        # saves steps 5, 10, ...; run again (with more --steps) to resume from the latest
 
 By default every stage is one host (2 stages on 2 hosts); on Ray activations pass worker to
 worker. ``--stage-hosts N`` gives each stage the devices of N hosts: on Ray the host workers
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-hosts", type=int, default=1, help="hosts per stage mesh")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="resume from its latest step; save into it"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="save every N steps (0: at the end)"
+    )
     args = parser.parse_args(argv)
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every: {args.checkpoint_every} must be >= 0")
     if args.stage_hosts < 1 or args.hosts % args.stage_hosts:
         parser.error(
             f"--stage-hosts: {args.stage_hosts} must be >= 1 and divide --hosts {args.hosts}"
@@ -84,13 +95,28 @@ def main(argv: list[str] | None = None) -> int:
         f"{num_stages} stages of {args.stage_hosts} host(s), {args.micro_batches} micro-batches",
         flush=True,
     )
+    first = 0
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt is not None and ckpt.is_dir() and any(d.name.isdigit() for d in ckpt.iterdir()):
+        # Resume: the latest step, read where this run's plan reads it (any host count).
+        layouts = step.input_layouts(params, state, batch)
+        params, state = alpa_mini.restore_checkpoint(ckpt, target=layouts[:2])
+        first = max(int(d.name) for d in ckpt.iterdir() if d.name.isdigit())
+        print(f"resumed from {ckpt} at step {first}", flush=True)
     losses = []
-    for i in range(args.steps):
+    for i in range(first, args.steps):
         t0 = time.perf_counter()
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
         print(f"step {i} loss {losses[-1]:.6f} ({time.perf_counter() - t0:.3f} s)", flush=True)
+        every = args.checkpoint_every
+        if ckpt is not None and (i + 1 == args.steps or (every and (i + 1) % every == 0)):
+            last = i + 1 == args.steps  # the others are written in the background
+            alpa_mini.save_checkpoint(ckpt, (params, state), step=i + 1, wait=last)
     alpa_mini.shutdown()
+    if len(losses) < 2:
+        print(f"nothing left to train: the checkpoint is at step {first}", flush=True)
+        return 0
     fell = losses[-1] < losses[0]
     print("loss decreased" if fell else "loss did NOT decrease", flush=True)
     return 0 if fell else 1

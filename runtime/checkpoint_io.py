@@ -20,7 +20,7 @@ from typing import Any
 
 from .pieces import Pieces, own_pieces, place
 
-__all__ = ["Part", "PartWriter", "parts_of", "read_region", "writer_name"]
+__all__ = ["Part", "PartWriter", "Read", "parts_of", "read_region", "read_values", "writer_name"]
 
 NPY = "-npy"  # the suffix of a writer directory of .npy files
 
@@ -138,6 +138,55 @@ class PartWriter:
             self._checkpointer = None
 
 
+@dataclass(frozen=True)
+class Read:
+    """One value to read: ``region`` (``(start, stop)`` per axis; None: all of ``shape``)
+    of a saved array made of ``parts``, laid out as ``sharding`` (None: a numpy array)."""
+
+    parts: tuple[Part, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+    sharding: Any = None
+    region: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return [(0, n) for n in self.shape] if self.region is None else list(self.region)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of the value read (the region's)."""
+        return tuple(b - a for a, b in self.bounds)
+
+    def whole_part(self) -> Part | None:
+        """The orbax part that is exactly this region, read straight into a sharding of
+        this process's devices; None where the region must be assembled."""
+        if self.sharding is None or not self.sharding.is_fully_addressable:
+            return None
+        for p in self.parts:
+            if list(zip(p.start, p.stop, strict=True)) == self.bounds:
+                return None if p.writer.endswith(NPY) else p
+        return None
+
+
+def read_values(step_dir: str | Path, reads: Sequence[Read]) -> list[Any]:
+    """Every read's value: whole parts in one orbax restore per writer (each reads only
+    the shards its sharding needs), the rest assembled from the parts they overlap."""
+    out: list[Any] = [None] * len(reads)
+    direct: dict[str, list[tuple[int, Part]]] = {}
+    for i, r in enumerate(reads):
+        part = r.whole_part()
+        if part is None:
+            out[i] = _assemble(step_dir, r)
+        else:
+            direct.setdefault(part.writer, []).append((i, part))
+    for writer, wanted in direct.items():
+        got = _restore(step_dir, writer, [(p, reads[i]) for i, p in wanted])
+        for (i, _), value in zip(wanted, got, strict=True):
+            out[i] = value
+    return out
+
+
 def read_region(
     step_dir: str | Path,
     parts: Sequence[Part],
@@ -146,27 +195,25 @@ def read_region(
     sharding: Any = None,
     region: Sequence[tuple[int, int]] | None = None,
 ) -> Any:
-    """The values of ``region`` (``(start, stop)`` per axis; None: all of ``shape``) of a
-    saved array made of ``parts``, laid out as ``sharding`` (None: a numpy array)."""
+    """One value (see ``Read``)."""
+    bounds = None if region is None else tuple(tuple(r) for r in region)
+    return read_values(step_dir, [Read(tuple(parts), tuple(shape), dtype, sharding, bounds)])[0]
+
+
+def _assemble(step_dir: str | Path, r: Read) -> Any:
     import numpy as np
 
-    shape = tuple(shape)
-    region = [(0, n) for n in shape] if region is None else [tuple(r) for r in region]
-    want = tuple(b - a for a, b in region)
-    whole = [p for p in parts if list(zip(p.start, p.stop, strict=True)) == region]
-    orbax = not whole or not whole[0].writer.endswith(NPY)
-    if whole and orbax and sharding is not None and sharding.is_fully_addressable:
-        return _restore(step_dir, whole[0], want, dtype, sharding)
-    needed = [p for p in parts if _overlaps(p, region)]
-    data = _read_numpy(step_dir, needed, dtype)
+    region, want = r.bounds, r.out_shape
+    needed = [p for p in r.parts if _overlaps(p, region)]
+    data = _read_numpy(step_dir, needed, r.dtype)
     pieces = Pieces(
         want,
-        np.dtype(dtype),
+        np.dtype(r.dtype),
         tuple(_cropped(p, d, region) for p, d in zip(needed, data, strict=True)),
     )
-    if sharding is None:
+    if r.sharding is None:
         return pieces.region(tuple(slice(0, n) for n in want))
-    return place(pieces, sharding)
+    return place(pieces, r.sharding)
 
 
 def _cropped(part: Part, data: Any, region: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
@@ -187,20 +234,21 @@ def _overlaps(part: Part, region: Sequence[tuple[int, int]]) -> bool:
     )
 
 
-def _restore(
-    step_dir: str | Path, part: Part, shape: tuple[int, ...], dtype: Any, sharding: Any
-) -> Any:
-    """One whole part read by orbax straight into ``sharding``."""
+def _restore(step_dir: str | Path, writer: str, wanted: list[tuple[Part, Read]]) -> list[Any]:
+    """Whole parts of one writer read by orbax straight into their shardings."""
     import jax
     import orbax.checkpoint as ocp
 
-    want = {part.name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)}
-    restore = {part.name: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)}
+    item = {p.name: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=r.sharding) for p, r in wanted}
+    restore = {
+        p.name: ocp.ArrayRestoreArgs(sharding=r.sharding, global_shape=r.out_shape, dtype=r.dtype)
+        for p, r in wanted
+    }
     got = _checkpointer().restore(
-        Path(step_dir) / part.writer,
-        args=ocp.args.PyTreeRestore(item=want, restore_args=restore, partial_restore=True),
+        Path(step_dir) / writer,
+        args=ocp.args.PyTreeRestore(item=item, restore_args=restore, partial_restore=True),
     )
-    return got[part.name]
+    return [got[p.name] for p, _ in wanted]
 
 
 def _read_numpy(step_dir: str | Path, parts: Iterable[Part], dtype: Any) -> list[Any]:

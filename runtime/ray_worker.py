@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_io import Part, PartWriter, parts_of, read_region, writer_name
+from .checkpoint_io import Part, PartWriter, Read, parts_of, read_values, writer_name
 from .instructions import Put, Recv, Run, Send, program_runs
 from .local import InstructionTiming, LocalRuntime, is_deleted
 from .pieces import Pieces, pieces_for, place
@@ -303,10 +303,14 @@ class HostWorker:
         step input name, (parts, shape, dtype, region)); the value is laid out as that
         input's first ``Put`` on this host lays it out (else kept on the host). Returns each
         value's resident key, shape and dtype."""
+        reads = [
+            Read(tuple(parts), tuple(shape), dtype, self._input_layout(key, arg), _bounds(region))
+            for key, arg, (parts, shape, dtype, region) in requests
+        ]
         out = []
-        for key, arg, (parts, shape, dtype, region) in requests:
-            sharding = self._input_layout(key, arg)
-            value = read_region(step_dir, parts, shape, dtype, sharding, region)
+        for value in read_values(step_dir, reads):
+            if hasattr(value, "block_until_ready"):
+                value.block_until_ready()  # the handle promises the value is here
             self._restored += 1
             rkey = f"restored:{self._restored}"
             self._resident[rkey] = value
@@ -343,3 +347,7 @@ class HostWorker:
                     )
                 self._arrived.wait(left)
             return self._mailbox.pop((step, ins.tag))
+
+
+def _bounds(region: Any) -> tuple[tuple[int, int], ...] | None:
+    return None if region is None else tuple(tuple(r) for r in region)

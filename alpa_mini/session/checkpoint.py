@@ -32,7 +32,7 @@ import numpy as np
 
 from .._validate import check_int, positive_int
 from ..errors import ConfigError
-from ..runtime.checkpoint_io import Part, PartWriter, parts_of, read_region
+from ..runtime.checkpoint_io import Part, PartWriter, Read, parts_of, read_values
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "wait_for_checkpoints"]
 
@@ -127,7 +127,7 @@ def restore_checkpoint(
     saved = _read_manifest(step_dir)
     if target is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        values = [read_region(step_dir, s.parts, s.shape, s.dtype, device) for s in saved]
+        values = read_values(step_dir, [Read(s.parts, s.shape, s.dtype, device) for s in saved])
         return _rebuild([s.path for s in saved], values)
     return _restore_into(step_dir, step, saved, target)
 
@@ -421,7 +421,7 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         )
     by_path = {tuple(str(k) for _, k in s.path): s for s in saved}
     values: list[Any] = [None] * len(flat)
-    remote = []
+    remote, local = [], []
     for i, (key_path, leaf) in enumerate(flat):
         name = f"target{jax.tree_util.keystr(key_path)}"
         record = by_path.get(tuple(str(k) for _, k in _path_record(key_path)))
@@ -439,7 +439,9 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         sharding = getattr(leaf, "sharding", None)
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        values[i] = read_region(step_dir, record.parts, shape, dtype, sharding)
+        local.append((i, Read(record.parts, shape, dtype, sharding)))
+    for (i, _), value in zip(local, read_values(step_dir, [r for _, r in local]), strict=True):
+        values[i] = value
     if remote:
         from ..pipeline.ray_checkpoint import restore_remote
 
