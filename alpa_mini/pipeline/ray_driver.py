@@ -291,10 +291,10 @@ class RayPipeshardExecutable:
         """One step with every instruction timed on its worker (each waits for its results
         before the next starts; the hosts still run side by side): the step's outputs and
         the intervals, in ``time.time`` seconds, each with the host that ran it."""
-        import ray
 
         outs = self._run(args, timed=True)
-        per_host = ray.get([w.last_timings.remote() for w in self.session.workers])
+        refs = {h: w.last_timings.remote() for h, w in enumerate(self.session.workers)}
+        per_host = await_workers(self.session, refs, "reading the step's timings")
         timings = [t for host in per_host for t in host]
         return outs, sorted(timings, key=lambda t: (t.start, t.host, t.index))
 
@@ -323,14 +323,13 @@ class RayPipeshardExecutable:
 
     def get_hlo_text(self, program: str) -> str:
         """The compiled HLO of one program, from a worker that runs it (after a step)."""
-        import ray
 
         table = self._programs()
         if program not in table:
             raise ValueError(f"program: no program {program!r}; valid: {sorted(table)}")
         host = table[program][0]
         ref = self.session.workers[host].hlo_text.remote(self.keys[host], program)
-        return ray.get(ref, timeout=STEP_TIMEOUT)
+        return await_workers(self.session, {host: ref}, f"reading {program}'s HLO")[0]
 
     def collectives(self) -> StepCollectives:
         """Per program (stage, role, runs per step), the collectives of its compiled HLO as
@@ -341,13 +340,15 @@ class RayPipeshardExecutable:
     def _programs(self) -> dict[str, tuple[int, int]]:
         """Each program: the first host whose stream runs it, and its runs per step there
         (a mesh over several hosts runs it as often on each)."""
-        import ray
 
         if self._program_table is None:
             workers = self.session.workers
-            refs = [w.program_runs.remote(k) for w, k in zip(workers, self.keys, strict=True)]
+            refs = {
+                h: w.program_runs.remote(k)
+                for h, (w, k) in enumerate(zip(workers, self.keys, strict=True))
+            }
             found: dict[str, tuple[int, int]] = {}
-            for host, runs in enumerate(ray.get(refs, timeout=STEP_TIMEOUT)):
+            for host, runs in enumerate(await_workers(self.session, refs, "listing programs")):
                 for program, n in runs:
                     found.setdefault(program, (host, n))
             self._program_table = found
@@ -580,6 +581,8 @@ class RemoteArray:
 #: once; a stopped one within this plus ``check_workers``' 5 s), and the most a fetch waits.
 FETCH_POLL = 10.0
 FETCH_LIMIT = 600.0
+#: The most seconds the workers may take to trace and compile a step.
+BUILD_LIMIT = 3600.0
 
 
 def _fetch(session: RaySession, keys: Sequence[tuple[int, str]], label: str) -> list[Any]:
@@ -688,7 +691,6 @@ def compile_pipeshard_ray(
 ) -> RayPipeshardExecutable:
     """Plan on the driver (or replay ``method.plan``), then build on every host worker;
     ``donated``: argument leaves the step may consume (a worker's resident copy)."""
-    import ray
 
     t0 = time.perf_counter()
     step_fun = StepFun(fun, static, in_tree)
@@ -715,7 +717,8 @@ def compile_pipeshard_ray(
         method.fuse_programs,
         tuple(roles),
     )
-    built = ray.get([w.build.remote(builder) for w in session.workers])
+    refs = {h: w.build.remote(builder) for h, w in enumerate(session.workers)}
+    built = await_workers(session, refs, "compiling the step", limit=BUILD_LIMIT)
     meta = built[0]["meta"]
     return RayPipeshardExecutable(
         fun_name=getattr(fun, "__name__", "step"),

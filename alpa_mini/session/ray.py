@@ -296,7 +296,7 @@ def _place_workers(
             ray.kill(w, no_restart=True)
         ray.util.remove_placement_group(pg)
         raise
-    ray.get([w.set_peers.remote(workers) for w in workers])
+    ray.get([w.set_peers.remote(workers) for w in workers], timeout=START_TIMEOUT)
     return RaySession(cluster, workers, pg, started, temp_dir, info, span)
 
 

@@ -151,7 +151,8 @@ def test_connecting_to_a_running_head_leaves_it_running(ray_head):
 
 
 _DRIVER = """
-import json, time
+import json, signal, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (xdist ignores it)
 import alpa_mini
 alpa_mini.init(cluster="ray", num_hosts=1, num_cpu_devices=2)
 session = alpa_mini.session.ray_session()
