@@ -5,6 +5,10 @@ simulator as our own plans.
   state replicated (a whole copy of the state on each device).
 - ``zero-2``: the same with optimiser state sharded over the devices.
 - ``zero-3``: parameters sharded too (gathered where they are used).
+- ``pp-dp``: pipeline plus data parallelism, no operator sharding (the Wide-ResNet baseline
+  of Alpa's paper): ``pp`` stages of equal layer counts on equal submeshes, each stage's
+  parameters and optimiser state replicated over its ``dp`` devices and the micro-batch
+  split over them, searched over ``pp`` and the micro-batch count.
 - ``megatron``: Megatron-LM's manual space, searched exhaustively: ``pp`` stages of equal
   layer counts on equal submeshes, each a (dp, tp) mesh with tensor parallelism inside one
   host and the batch split over dp, and the micro-batch count. Each stage's tensor-parallel
@@ -52,7 +56,7 @@ __all__ = [
     "run_baselines",
 ]
 
-BASELINES = ("data-parallel", "zero-2", "zero-3", "megatron")
+BASELINES = ("data-parallel", "zero-2", "zero-3", "pp-dp", "megatron")
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,13 @@ def run_baseline(
     if name == "megatron":
         configs = megatron_configs(n, per_host, num_layers, batch_size, micro_batches)
         option = dataclasses.replace(ilp, batch_axis=0, layout="auto")
+    elif name == "pp-dp":
+        configs = [
+            c
+            for c in megatron_configs(n, per_host, num_layers, batch_size, micro_batches)
+            if c["tp"] == 1
+        ]
+        option = dataclasses.replace(ilp, batch_axis=0, layout="data")
     else:
         configs = [
             {"dp": n, "tp": 1, "pp": 1, "micro_batches": b}

@@ -410,3 +410,31 @@ def test_refine_within_limits_the_whole_stage_ilps_to_close_configs():
     for bad in (-0.1, "5%", True):
         with pytest.raises(ConfigError, match=r"AutoStageOption.refine_within: .* is invalid"):
             alpa_mini.AutoStageOption(refine_within=bad)
+
+
+def test_pp_dp_replicates_every_stages_weights_and_splits_its_batch():
+    """Pipeline + data parallelism (Alpa's Wide-ResNet baseline): its grid is Megatron's
+    with tp = 1; every stage holds whole weights (no operator sharding), splits its batch
+    over all of its devices, and pp = 1 is exactly the data-parallel baseline."""
+    step, args = _mlp_args(width=64, batch=64)
+    kw = dict(num_layers=4, batch_size=64, micro_batches=(1, 2))
+    grid = {
+        (c["dp"], c["pp"], c["micro_batches"])
+        for c in megatron_configs(4, 4, 4, 64, (1, 2))
+        if c["tp"] == 1
+    }
+    assert grid == {(4, 1, 1), (4, 1, 2), (2, 2, 1), (2, 2, 2), (1, 4, 1), (1, 4, 2)}
+    ppdp = run_baseline("pp-dp", step, args, FOUR, **kw)
+    assert ppdp.tried == len(grid) and ppdp.config["tp"] == 1
+    dp = ppdp.config["dp"]
+    for stage in ppdp.plan.stages:
+        assert math.prod(stage.logical_shape) == len(stage.devices) == dp
+        specs = [s for s in stage.in_specs if s is not None and len(s.dims) == 2]
+        assert specs  # the stage's weights, activations and batch rows
+        for spec in specs:  # no operator sharding: no (width) column is ever split
+            assert math.prod(stage.logical_shape[a] for a in spec.dims[1]) == 1
+    only_dp = run_baseline("data-parallel", step, args, FOUR, **kw)
+    pp1 = run_baseline("pp-dp", step, args, FOUR, num_layers=1, batch_size=64,
+                       micro_batches=(1, 2))  # fmt: skip
+    assert pp1.config["pp"] == 1
+    assert pp1.iteration_time == pytest.approx(only_dp.iteration_time, rel=1e-6)
