@@ -134,6 +134,7 @@ def test_an_eval_step_reads_stacked_outputs_directly_and_after_gather(two_stages
     )
 
 
+@pytest.mark.slow  # 7-14 s: the fast suite keeps its 3-minute limit
 def test_flax_nn_scan_with_optax_adamw_and_clipping_trains_as_serial(devices8) -> None:
     import flax.linen as nn
     import optax
@@ -207,6 +208,7 @@ def _odd_step(params, frozen, batch, grad=jax.value_and_grad):
     return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
 
 
+@pytest.mark.slow  # 7-14 s: the fast suite keeps its 3-minute limit
 def test_a_reverse_scan_with_outputs_and_a_frozen_stack_equals_serial(devices8) -> None:
     k = jax.random.split(jax.random.key(3), 4)
     params = {

@@ -84,6 +84,7 @@ def cpu8():
     alpa_mini.shutdown()
 
 
+@pytest.mark.slow  # 7-14 s: the fast suite keeps its 3-minute limit
 def test_flax_standard_layers_have_a_rule_for_every_primitive_and_train(cpu8) -> None:
     step, _, args = _case()
     pstep = alpa_mini.parallelize(step, method=alpa_mini.ShardParallel(mesh_shape=(2, 4)))
