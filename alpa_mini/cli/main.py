@@ -74,7 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--cluster", default="cpu-1x8", help="configs/clusters name or YAML path")
     plan.add_argument("--hosts", type=int, default=None, help="override the cluster's host count")
     plan.add_argument("--devices-per-host", type=int, default=None, help="override devices/host")
-    plan.add_argument("--micro-batches", type=int, default=8, help="B (default 8)")
+    plan.add_argument(
+        "--micro-batches",
+        type=_micro_batches,
+        default="auto",
+        help="B, or auto (default): the powers of two dividing the batch, searched",
+    )
     plan.add_argument("--batch-size", type=int, default=None, help="global batch (default: YAML)")
     plan.add_argument(
         "--profiling",
@@ -185,6 +190,19 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return int(module.main(list(args.rest)) or 0)
 
 
+def _micro_batches(text: str) -> int | str:
+    """``--micro-batches``: "auto" or a positive count."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; expected auto or a count >= 1")
+    return value
+
+
 def _plan(args: argparse.Namespace, console: Console) -> int:
     """Plan from abstract shapes; prints the plan, optionally writes its JSON."""
     import dataclasses
@@ -217,7 +235,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             config = dataclasses.replace(config, pipeline_marks=True)
             spec = dataclasses.replace(spec, config=config)
         method = PipeshardParallel(
-            num_micro_batches=args.micro_batches,
+            num_micro_batches=None if args.micro_batches == "auto" else args.micro_batches,
             layer_option=ManualLayerOption(),
             stage_option=AutoStageOption(
                 profiling=args.profiling,
@@ -240,6 +258,12 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         return 2
     console.print(planned.summary())
     p = planned.planning or PlanningStats()
+    if p.micro_batches_tried:
+        tried = ", ".join(
+            f"B={b}: " + ("does not fit" if t is None else f"{t * 1e3:.1f} ms")
+            for b, t in sorted(p.micro_batches_tried)
+        )
+        console.print(f"micro-batch counts planned: {tried}")
     console.print(
         f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}, "
         f"cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"

@@ -21,7 +21,9 @@ class PlanningStats:
     sharding ILPs (summed over threads, so it may exceed the wall time); ``dp_seconds``: the
     stage DP (0 for ShardParallel); ``total_seconds``: wall time of the whole planning call.
     ``ilps_unproven``: free stage MIPs stopped at the time limit before proving optimality;
-    ``restricted_wins``: how many of those a restricted (ZeRO-3 or Megatron) plan replaced."""
+    ``restricted_wins``: how many of those a restricted (ZeRO-3 or Megatron) plan replaced.
+    ``micro_batches_tried``: with a searched micro-batch count, each count planned and its
+    predicted iteration seconds (None: nothing fit), in the order planned."""
 
     trace_seconds: float = 0.0
     graph_seconds: float = 0.0
@@ -33,6 +35,7 @@ class PlanningStats:
     restricted_wins: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
+    micro_batches_tried: tuple[tuple[int, float | None], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +54,22 @@ class PlanningStats:
         if "seconds" in data and "total_seconds" not in data:  # plans saved before this record
             values["total_seconds"] = data["seconds"]
         for k, v in values.items():
+            if k == "micro_batches_tried":
+                values[k] = _tried(f"{where}.{k}", v)
+                continue
             check = check_int if known[k] in ("int", int) else check_number
             values[k] = check(f"{where}.{k}", v, low=0)
         return cls(**values)
+
+
+def _tried(where: str, value: Any) -> tuple[tuple[int, float | None], ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{where}: expected a list of [count, seconds or null], got {value!r}")
+    out = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError(f"{where}[{i}]: expected [count, seconds or null], got {pair!r}")
+        b = check_int(f"{where}[{i}][0]", pair[0], low=1)
+        t = None if pair[1] is None else check_number(f"{where}[{i}][1]", pair[1], low=0)
+        out.append((b, t))
+    return tuple(out)

@@ -243,7 +243,9 @@ class ManualStageOption:
 class PipeshardParallel:
     """Pipeline stages over submeshes, each stage auto-sharded by the ILP.
 
-    num_micro_batches: B, the batch is split along its leading dimension.
+    num_micro_batches: B, the batch is split along its leading dimension. None searches it:
+    the powers of two dividing the batch, by bisection on the predicted iteration time (the
+    plan's ``planning.micro_batches_tried`` lists each count planned).
     pipeline_schedule: "1f1b" or "gpipe". default_auto_sharding_option: ILP options per stage
     (a ``ShardParallel``; its backend, time_limit, layout and batch_axis; the fields a stage
     cannot use, mesh_shape, num_micro_batches, replicate_outputs and memory_budget, must be
@@ -262,7 +264,7 @@ class PipeshardParallel:
     and HLO, at a launch each.
     """
 
-    num_micro_batches: int = 1
+    num_micro_batches: int | None = 1
     layer_option: AutoLayerOption | ManualLayerOption = field(default_factory=ManualLayerOption)
     stage_option: AutoStageOption | UniformStageOption | ManualStageOption = field(
         default_factory=AutoStageOption
@@ -295,7 +297,8 @@ class PipeshardParallel:
         )
 
     def __post_init__(self) -> None:
-        positive_int("PipeshardParallel.num_micro_batches", self.num_micro_batches)
+        if self.num_micro_batches is not None:
+            positive_int("PipeshardParallel.num_micro_batches", self.num_micro_batches)
         if not isinstance(self.layer_option, AutoLayerOption | ManualLayerOption):
             raise ConfigError(
                 f"PipeshardParallel.layer_option: {self.layer_option!r} is not an "

@@ -22,6 +22,7 @@ from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError
 from ..graph.grad_capture import GradCapture, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
+from ..graph.planning_stats import PlanningStats
 from ..graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoLayerOption, PipeshardParallel
@@ -29,6 +30,7 @@ from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
+from .micro_batch_search import micro_batch_candidates, search_micro_batches
 from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
 from .schedules import make_schedule
@@ -220,7 +222,12 @@ def prepare_step(
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step.
     Scans over stacked layers are split into sub-scans first when the layer option may cut
-    between their iterations (the plan records how)."""
+    between their iterations (the plan records how). ``num_micro_batches=None``: planned at
+    each count the search tries (``micro_batch_search``), the fastest kept."""
+    if method.num_micro_batches is None:
+        if method.plan is None:
+            return _searched(step_fun, avals, roles, method, cluster, progress)
+        method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
     t0 = time.perf_counter()
     step, out_shape, capture, forward = trace_step(step_fun, avals, roles, method.num_micro_batches)
     plan = method.plan
@@ -241,6 +248,39 @@ def prepare_step(
     else:
         check_plan(plan, cluster, forward, capture, method.num_micro_batches)
     return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan, pieces)
+
+
+def _searched(
+    step_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None,
+) -> PreparedStep:
+    """The step prepared at the micro-batch count with the fastest predicted plan."""
+    t0 = time.perf_counter()
+    rows = {int(a.shape[0]) for a, r in zip(avals, roles, strict=True) if r == "batch" and a.ndim}
+    if len(rows) != 1:
+        raise ConfigError(
+            "num_micro_batches: None searches the count, which needs batch arguments with one "
+            f"leading dimension (found {sorted(rows) or 'none'}); pass a count instead"
+        )
+
+    def plan_at(b: int) -> tuple[PreparedStep, float]:
+        if progress is not None:
+            progress(f"micro-batches: planning B={b}")
+        at = dataclasses.replace(method, num_micro_batches=b)
+        prepared = prepare_step(step_fun, avals, roles, at, cluster, progress)
+        return prepared, prepared.plan.predicted_time
+
+    prepared, _, tried = search_micro_batches(micro_batch_candidates(rows.pop()), plan_at)
+    stats = dataclasses.replace(
+        prepared.plan.planning or PlanningStats(),
+        total_seconds=time.perf_counter() - t0,
+        micro_batches_tried=tuple(tried),
+    )
+    return dataclasses.replace(prepared, plan=dataclasses.replace(prepared.plan, planning=stats))
 
 
 def apply_scan_splits(

@@ -1,0 +1,82 @@
+"""The micro-batch count B, searched when ``PipeshardParallel(num_micro_batches=None)``.
+
+Candidates are the powers of two that divide the batch's rows. Two facts make a bisection
+enough: memory only falls as B grows (smaller micro-batches hold fewer activations), so the
+counts that fit are a suffix; and the predicted iteration time over them first falls (a
+smaller pipeline bubble, (S - 1) / B of the step) and then rises (micro-batches too small to
+keep devices busy, more launches). So comparing neighbours ``B`` and ``2B`` says on which
+side the best lies, in about ``2 log2(k)`` plans for ``k`` candidates. Every plan made is
+kept in the record, and the fastest of them is returned even where the curve is not
+unimodal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ..errors import ConfigError, MemoryBudgetError
+
+__all__ = ["micro_batch_candidates", "search_micro_batches"]
+
+T = TypeVar("T")
+
+
+def micro_batch_candidates(rows: int) -> list[int]:
+    """The powers of two that divide ``rows``, ascending (1 always)."""
+    if rows < 1:
+        raise ConfigError(f"batch: {rows} rows; a searched micro-batch count needs >= 1")
+    out, b = [], 1
+    while b <= rows and rows % b == 0:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def search_micro_batches(
+    candidates: Sequence[int], plan: Callable[[int], tuple[T, float]]
+) -> tuple[T, int, list[tuple[int, float | None]]]:
+    """The best of ``candidates``: ``plan(B)`` returns (result, predicted seconds), or raises
+    ``MemoryBudgetError`` (or ``ConfigError``) where nothing fits at B. Returns the fastest
+    result, its B, and every B planned with its predicted seconds (None: nothing fit), in the
+    order they were planned."""
+    results: dict[int, tuple[T, float] | ValueError] = {}
+    order: list[int] = []
+
+    def seconds(i: int) -> float:
+        b = candidates[i]
+        if b not in results:
+            try:
+                results[b] = plan(b)
+            except (MemoryBudgetError, ConfigError) as err:
+                results[b] = err
+            order.append(b)
+        got = results[b]
+        return math.inf if isinstance(got, ValueError) else got[1]
+
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        here = seconds(mid)
+        if math.isinf(here) or seconds(mid + 1) < here:  # nothing fits yet, or still falling
+            lo = mid + 1
+        else:
+            hi = mid
+    seconds(lo)
+    tried = [(b, None if isinstance(results[b], ValueError) else results[b][1]) for b in order]
+    fits = [(got[1], b) for b, got in results.items() if not isinstance(got, ValueError)]
+    if fits:
+        _, best = min(fits)
+        return results[best][0], best, tried  # type: ignore[index]
+    errors = [results[b] for b in order]
+    text = "; ".join(f"B={b}: {results[b]}" for b in order)[:2000]
+    counts = ", ".join(map(str, candidates))
+    if all(isinstance(e, MemoryBudgetError) for e in errors):
+        budgets = [e.min_budget for e in errors if e.min_budget is not None]  # type: ignore[union-attr]
+        raise MemoryBudgetError(
+            f"memory_budget: no micro-batch count searched ({counts}) gives a plan that fits "
+            f"({text})",
+            min(budgets) if budgets else None,
+        )
+    raise ConfigError(f"num_micro_batches: no count searched ({counts}) can be planned ({text})")

@@ -1,0 +1,107 @@
+"""The searched micro-batch count: the bisection against exhaustive search, and
+``PipeshardParallel(num_micro_batches=None)`` end to end."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import jax
+import pytest
+
+import alpa_mini
+from alpa_mini import ClusterSpec, MemoryBudgetError, PipeshardParallel
+from alpa_mini.models import make_train_step, sgd
+from alpa_mini.pipeline.micro_batch_search import micro_batch_candidates, search_micro_batches
+from alpa_mini.pipeline.plan import PipeshardPlan
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+
+def test_candidates_are_the_powers_of_two_dividing_the_batch():
+    assert micro_batch_candidates(1024) == [2**k for k in range(11)]
+    assert micro_batch_candidates(24) == [1, 2, 4, 8]
+    assert micro_batch_candidates(7) == [1]
+
+
+def _curve(k: int, rng: random.Random) -> list[float]:
+    """An infeasible prefix, then a strictly falling and strictly rising run."""
+    first = rng.randrange(k)
+    low = rng.randrange(first, k)
+    out = []
+    for i in range(k):
+        if i < first:
+            out.append(math.inf)
+        else:
+            out.append(10.0 + abs(i - low) + rng.random() * 0.1 * (i != low))
+    return out
+
+
+def test_bisection_finds_the_exhaustive_best_in_about_two_log2_k_plans():
+    rng = random.Random(0)
+    for _ in range(300):
+        k = rng.randrange(1, 12)
+        curve = _curve(k, rng)
+        if all(math.isinf(t) for t in curve):
+            continue
+        calls = []
+
+        def plan(b, curve=curve, calls=calls):
+            calls.append(b)
+            t = curve[b.bit_length() - 1]
+            if math.isinf(t):
+                raise MemoryBudgetError(f"B={b} does not fit", 2.0 * b)
+            return f"plan{b}", t
+
+        candidates = [2**i for i in range(k)]
+        result, best, tried = search_micro_batches(candidates, plan)
+        want = min(range(k), key=curve.__getitem__)
+        assert best == candidates[want] and result == f"plan{best}"
+        bound = 2 * math.ceil(math.log2(k)) + 1 if k > 1 else 1
+        assert len(calls) == len(set(calls)) <= bound
+        assert [b for b, _ in tried] == calls
+        assert all((t is None) == math.isinf(curve[b.bit_length() - 1]) for b, t in tried)
+
+
+def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
+    def plan(b):
+        raise MemoryBudgetError(f"B={b}: too big", 100.0 / b)
+
+    with pytest.raises(MemoryBudgetError, match=r"no micro-batch count searched \(1, 2, 4\)") as e:
+        search_micro_batches([1, 2, 4], plan)
+    assert e.value.min_budget == 25.0
+
+
+def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
+    """An MLP of 4 marked layers, batch 64, on 8 devices: the count chosen is the one
+    planning every candidate separately finds fastest; the plan records what it tried and
+    keeps it through JSON; the step trains as serial JAX."""
+    alpa_mini.shutdown()
+    cluster = ClusterSpec.named("cpu-2x4")
+    alpa_mini.init(cluster=cluster)
+    params, data = marked_mlp_args(4, 32, 64)
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    state = opt.init(params)
+    times = {}
+    for b in micro_batch_candidates(64):
+        method = PipeshardParallel(num_micro_batches=b)
+        try:
+            times[b] = alpa_mini.plan(step, params, state, data, method=method).predicted_time
+        except MemoryBudgetError:
+            times[b] = math.inf
+    searched = alpa_mini.plan(step, params, state, data, method=PipeshardParallel(None))
+    assert searched.num_micro_batches == min(times, key=times.get)
+    tried = searched.planning.micro_batches_tried
+    assert tried and all(t == pytest.approx(times[b], rel=1e-9) for b, t in tried)
+    assert len(tried) < len(times)
+    again = PipeshardPlan.from_json(searched.to_json())
+    assert again.planning.micro_batches_tried == tried
+    # The step itself plans the same way and trains as serial JAX.
+    pstep = alpa_mini.parallelize(step, method=PipeshardParallel(num_micro_batches=None))
+    p, _, _ = pstep(params, state, data)
+    assert pstep.get_executable(params, state, data).plan.num_micro_batches == (
+        searched.num_micro_batches
+    )
+    want_p, _, _ = jax.jit(make_train_step(marked_mlp_loss, opt))(params, state, data)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(want_p), strict=True):
+        assert jax.numpy.allclose(a, b, rtol=1e-6, atol=1e-6)
