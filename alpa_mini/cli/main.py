@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
 #: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
 BENCHMARKS = {
     "calibration": "calibration",
+    "default-plans": "default_plans",
     "megatron": "megatron_compare",
     "plan-quality": "plan_quality",
     "planning-time": "planning_time",

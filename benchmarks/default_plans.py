@@ -1,0 +1,136 @@
+"""Plans with the defaults: ``alpa-mini plan --model M --cluster dgx-a100 --hosts H`` and no
+other flag, per Alpa-suite and Megatron row, each in a fresh process: its planning seconds,
+the planner's peak RSS, the micro-batch count chosen and every count planned, and the
+predicted iteration time.
+
+Run alone (ILP time limits are wall-clock): ``python -m benchmarks.default_plans
+[--models gpt-1.3b,gpt-39b]``. Rows run one after another; each writes its result to
+``benchmarks/results/default_plans.json`` as it finishes, and the table in BENCHMARKS.md
+shows every row recorded there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ._report import update_section
+from .megatron_compare import ROWS as MEGATRON_ROWS
+from .plan_quality import SUITES, cluster_for
+
+RESULTS = Path(__file__).resolve().parent / "results" / "default_plans.json"
+#: The most seconds one row may plan before it is recorded as timed out.
+ROW_LIMIT = 3600
+CHILD = """
+import resource, sys
+from alpa_mini.cli.main import main
+code = main(sys.argv[1:])
+print("PEAK_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+sys.exit(code)
+"""
+
+
+def row(model: str) -> dict[str, Any]:
+    """Plan ``model`` on its row's GPUs with the defaults, in a fresh process."""
+    from alpa_mini.graph.planning_stats import PlanningStats
+    from alpa_mini.models.specs import ModelSpec
+    from alpa_mini.pipeline.plan import PipeshardPlan
+
+    spec = ModelSpec.load_any(model)
+    cluster = cluster_for(spec.gpus)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        args = ["plan", "--model", model, "--cluster", "dgx-a100",
+                "--hosts", str(cluster.num_hosts),
+                "--devices-per-host", str(cluster.devices_per_host),
+                "--json", str(out)]  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD, *args],
+                capture_output=True, text=True, timeout=ROW_LIMIT,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"model": model, "gpus": spec.gpus, "error": f"timed out after {ROW_LIMIT} s"}
+        wall = time.perf_counter() - t0
+        rss = [int(line.split()[1]) for line in proc.stdout.splitlines() if "PEAK_RSS_KIB" in line]
+        result: dict[str, Any] = {
+            "model": model,
+            "gpus": spec.gpus,
+            "wall_s": wall,
+            "peak_rss_gib": rss[0] / 2**20 if rss else None,
+        }
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            return {**result, "error": " ".join(tail)[:400]}
+        plan = PipeshardPlan.from_json(out.read_text())
+    planning = plan.planning or PlanningStats()
+    return {
+        **result,
+        "micro_batches": plan.num_micro_batches,
+        "stages": plan.num_stages,
+        "predicted_s": plan.predicted_time,
+        "planning_s": planning.total_seconds,
+        "tried": [list(t) for t in planning.micro_batches_tried],
+    }
+
+
+def to_markdown(results: list[dict[str, Any]], when: str) -> str:
+    lines = [
+        "## Plans with the defaults",
+        "",
+        f"Command: `python -m benchmarks.default_plans` ({when}), alone, 2 cores. Each row is "
+        "`alpa-mini plan --model M --cluster dgx-a100 --hosts H` with no other flag, in a fresh "
+        "process: the micro-batch count is searched (powers of two dividing the batch, by "
+        "bisection). Planning s: the planner's own total; peak RSS: the process's. "
+        "Targets (issue 23): 60 s for GPT-39B on 8x8, 5 s for GPT-3 1.3B, 4 GiB everywhere.",
+        "",
+        "| model | GPUs | B | stages | predicted s/iter | planning s | peak RSS GiB | B planned |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | – | – | – | – | – | {r['error']} |")
+            continue
+        tried = ", ".join(
+            f"{b}: {'no fit' if t is None else f'{t:.2f}'}" for b, t in sorted(r["tried"])
+        )
+        rss = "–" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['micro_batches']} | {r['stages']} | "
+            f"{r['predicted_s']:.2f} | {r['planning_s']:.1f} | {rss} | {tried} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    every = [m for names in SUITES.values() for m in names] + list(MEGATRON_ROWS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.default_plans")
+    parser.add_argument("--models", default=",".join(every), help="comma-separated rows")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in every]
+    if unknown:
+        parser.error(f"--models: {unknown[0]!r} is not a row; rows: {', '.join(every)}")
+    kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+    for model in models:
+        print(f"{model} ...", flush=True)
+        result = row(model)
+        print(json.dumps(result), flush=True)
+        kept = [r for r in kept if r["model"] != model] + [result]
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(kept, indent=1) + "\n")
+    kept.sort(key=lambda r: every.index(r["model"]) if r["model"] in every else len(every))
+    update_section("default-plans", to_markdown(kept, datetime.date.today().isoformat()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
