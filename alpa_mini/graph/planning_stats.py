@@ -23,7 +23,8 @@ class PlanningStats:
     ``ilps_unproven``: free stage MIPs stopped at the time limit before proving optimality;
     ``restricted_wins``: how many of those a restricted (ZeRO-3 or Megatron) plan replaced.
     ``micro_batches_tried``: with a searched micro-batch count, each count planned and its
-    predicted iteration seconds (None: nothing fit), in the order planned."""
+    predicted iteration seconds (None: nothing fit), in the order planned; ``total_seconds``
+    then covers the whole search, the other fields the chosen count's planning."""
 
     trace_seconds: float = 0.0
     graph_seconds: float = 0.0
