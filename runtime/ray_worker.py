@@ -304,7 +304,13 @@ class HostWorker:
         input's first ``Put`` on this host lays it out (else kept on the host). Returns each
         value's resident key, shape and dtype."""
         reads = [
-            Read(tuple(parts), tuple(shape), dtype, self._input_layout(key, arg), _bounds(region))
+            Read(
+                tuple(parts),
+                tuple(shape),
+                dtype,
+                self._input_layout(key, arg),
+                _region_tuple(region),
+            )
             for key, arg, (parts, shape, dtype, region) in requests
         ]
         out = []
@@ -349,5 +355,5 @@ class HostWorker:
             return self._mailbox.pop((step, ins.tag))
 
 
-def _bounds(region: Any) -> tuple[tuple[int, int], ...] | None:
+def _region_tuple(region: Any) -> tuple[tuple[int, int], ...] | None:
     return None if region is None else tuple(tuple(r) for r in region)

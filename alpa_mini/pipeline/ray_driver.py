@@ -283,6 +283,7 @@ class RayPipeshardExecutable:
     #: The user's flat leaves <-> the step's when scanned stacks are split into row pieces.
     pieces: PieceMap | None = None
     _program_table: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
+    _out_paths: list[str] | None = field(default=None, repr=False)  # outputs' key paths
 
     def __call__(self, *args: Any) -> Any:
         return self._run(args, timed=False)
@@ -458,11 +459,13 @@ class RayPipeshardExecutable:
 
     def _label(self, outs: list[Any], step: int) -> None:
         """Name each output handle (key path, step) for the errors that report it lost."""
-        paths = jax.tree_util.tree_flatten_with_path(
-            jax.tree.unflatten(self.out_tree, range(len(outs)))
-        )[0]
-        for (path, _), x in zip(paths, outs, strict=True):
-            name = f"{self.fun_name} output{jax.tree_util.keystr(path)} of step {step}"
+        if self._out_paths is None:  # the same every step: worked out once
+            flat = jax.tree_util.tree_flatten_with_path(
+                jax.tree.unflatten(self.out_tree, range(len(outs)))
+            )[0]
+            self._out_paths = [jax.tree_util.keystr(path) for path, _ in flat]
+        for path, x in zip(self._out_paths, outs, strict=True):
+            name = f"{self.fun_name} output{path} of step {step}"
             if isinstance(x, StackedRemoteArray):
                 for part, a in zip(x.parts, x.starts, strict=False):
                     part.label = f"{name} (rows {a}:{a + part.shape[0]})"

@@ -68,7 +68,8 @@ def save_checkpoint(
     """Save the pytree ``target`` as checkpoint ``step`` of ``ckpt_dir`` (created if
     needed), in the background once the arrays are copied off their devices
     (``wait=True`` or ``wait_for_checkpoints()`` blocks until it is on disk); keep the newest
-    ``keep`` checkpoints (None: all). Steps must increase."""
+    ``keep`` checkpoints (None: all). Steps must increase. One process saves into a
+    directory at a time (a save clears what a crashed save left there)."""
     step = check_int("step", step, low=0)
     if keep is not None:
         positive_int("keep", keep)
