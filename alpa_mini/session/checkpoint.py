@@ -147,7 +147,7 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
             remote.append((i, leaf))
             continue
         value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        if value.dtype.kind not in "biufc" and value.dtype.name != "bfloat16":
+        if value.dtype.kind not in "biufc" and not jax.numpy.issubdtype(value.dtype, np.number):
             raise ConfigError(
                 f"target{jax.tree_util.keystr(key_path)}: {type(leaf).__name__} of dtype "
                 f"{value.dtype} is not an array of numbers; checkpoints hold arrays"

@@ -134,8 +134,11 @@ def test_checkpoint_errors_name_the_argument(devices8, tmp_path):
 def test_an_edited_manifest_is_refused_naming_the_field(tmp_path):
     import json
 
-    alpa_mini.save_checkpoint(tmp_path, {"w": np.arange(6.0).reshape(2, 3), "n": 7}, 1, wait=True)
-    assert alpa_mini.restore_checkpoint(tmp_path)["n"] == 7
+    half = jax.numpy.ones(3, jax.numpy.bfloat16)
+    tree = {"w": np.arange(6.0).reshape(2, 3), "n": 7, "h": half}
+    alpa_mini.save_checkpoint(tmp_path, tree, 1, wait=True)
+    back = alpa_mini.restore_checkpoint(tmp_path)
+    assert back["n"] == 7 and back["h"].dtype == half.dtype  # bfloat16 kept
     file = tmp_path / "1" / "manifest.json"
     good = json.loads(file.read_text())
     edits = {
