@@ -35,10 +35,6 @@ class Part:
     stop: tuple[int, ...]
 
     @property
-    def index(self) -> tuple[slice, ...]:
-        return tuple(slice(a, b) for a, b in zip(self.start, self.stop, strict=True))
-
-    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
