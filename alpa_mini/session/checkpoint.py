@@ -142,11 +142,14 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
     tree: dict[str, Any] = {}
     driver_parts: dict[int, list[Part]] = {}
     remote = []
+    kinds: list[tuple[tuple[int, ...], str]] = []  # each leaf's shape and dtype name
     for i, (key_path, leaf) in enumerate(flat):
         if isinstance(leaf, RemoteArray):
             remote.append((i, leaf))
+            kinds.append((leaf.shape, leaf.dtype.name))
             continue
         value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+        kinds.append((tuple(int(n) for n in value.shape), np.dtype(value.dtype).name))
         if value.dtype.kind not in "biufc" and not jax.numpy.issubdtype(value.dtype, np.number):
             raise ConfigError(
                 f"target{jax.tree_util.keystr(key_path)}: {type(leaf).__name__} of dtype "
@@ -163,17 +166,15 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
         remote_parts, pending = save_remote(tmp, remote)
     if tree:
         _WRITER.write(tmp / "driver", tree)
-    records = []
-    for i, (key_path, leaf) in enumerate(flat):
-        shape = getattr(leaf, "shape", None)
-        dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:  # Python numbers
-            shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
-        parts = driver_parts.get(i) or remote_parts.get(i, [])
-        record = SavedLeaf(
-            _path_record(key_path), tuple(int(n) for n in shape), np.dtype(dtype).name, tuple(parts)
+    records = [
+        SavedLeaf(
+            _path_record(key_path),
+            shape,
+            dtype,
+            tuple(driver_parts.get(i) or remote_parts.get(i, [])),
         )
-        records.append(record)
+        for i, ((key_path, _), (shape, dtype)) in enumerate(zip(flat, kinds, strict=True))
+    ]
     return records, pending
 
 
