@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "--micro-batches",
         type=_micro_batches,
         default="auto",
-        help="B, or auto (default): the powers of two dividing the batch, searched",
+        help="B, or auto (default): searched over the batch's divisors nearest each power of two",
     )
     plan.add_argument("--batch-size", type=int, default=None, help="global batch (default: YAML)")
     plan.add_argument(
@@ -89,14 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--logical-shapes",
-        default="auto",
+        default="model_parallel_in_host",
         choices=list(LOGICAL_SHAPE_SPACES),
-        help="logical meshes per submesh (model_parallel_in_host: every (dp, tp), tp in a host)",
+        help="logical meshes per submesh (default model_parallel_in_host: every (dp, tp), tp in "
+        "a host)",
     )
     plan.add_argument(
         "--memory-lean",
-        action="store_true",
-        help="also offer the DP ZeRO-3-sharded layers (when speed-chosen layers do not fit)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also offer the DP ZeRO-3-sharded layers, for when speed-chosen layers do not fit "
+        "(default on)",
     )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")

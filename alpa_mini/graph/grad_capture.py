@@ -34,6 +34,7 @@ __all__ = [
     "GradCapture",
     "TracedStep",
     "pipeline_grad_p",
+    "record_grads",
     "recorder_value_and_grad",
     "trace_with_grads",
 ]
@@ -135,10 +136,47 @@ def trace_with_grads(
     num_micro_batches: int,
     mode: Mode,
     names: Sequence[str] | None = None,
+    earlier: TracedStep | None = None,
 ) -> TracedStep:
     """Trace ``fun`` over flat leaves ``avals`` (``roles[k] == "batch"`` marks batch leaves,
     ``names`` name them in errors) with ``alpa_mini.grad`` captured (``"pipeline"``) or
-    accumulated (``"accumulate"``)."""
+    accumulated (``"accumulate"``).
+
+    ``earlier``: the same step traced in ``"pipeline"`` mode at another micro-batch count.
+    Its replay is reused when every capture binds the same inputs and results, since the
+    full-shape step then differs only in the captures it refers to by index."""
+    captures = record_grads(fun, avals, roles, num_micro_batches, names)
+    if (
+        mode == "pipeline"
+        and earlier is not None
+        and len(earlier.captures) == len(captures)
+        and all(map(_binds_alike, earlier.captures, captures))
+    ):
+        return TracedStep(earlier.closed, earlier.out_shape, captures)
+    replay = _Recorder(mode, num_micro_batches, captures)
+    with _active(replay):
+        closed, out_shape = jax.make_jaxpr(lambda *a: _enter(replay, a, fun), return_shape=True)(
+            *avals
+        )
+    # The replayed step still computes what the loss used to read (now folded into it).
+    closed = _prune_dead(closed)
+    if replay.calls != len(captures):
+        raise RuntimeError(
+            f"the step called alpa_mini.grad {len(captures)} times on one micro-batch and "
+            f"{replay.calls} times on the full batch; the step must not branch on batch shapes"
+        )
+    return TracedStep(closed, out_shape, captures)
+
+
+def record_grads(
+    fun: Callable[..., Any],
+    avals: Sequence[Any],
+    roles: Sequence[str],
+    num_micro_batches: int,
+    names: Sequence[str] | None = None,
+) -> tuple[GradCapture, ...]:
+    """The record pass alone: each ``alpa_mini.grad`` call's loss on one micro-batch, folded
+    into a function of the step's inputs."""
     from .loss_fold import fold_loss
 
     B = num_micro_batches
@@ -160,20 +198,22 @@ def trace_with_grads(
                     "of their leading dimension, so that what derives from them is split too)"
                 )
             raise
-    captures = tuple(fold_loss(recorded, rec.recorded, roles, B))
-    replay = _Recorder(mode, B, captures)
-    with _active(replay):
-        closed, out_shape = jax.make_jaxpr(lambda *a: _enter(replay, a, fun), return_shape=True)(
-            *avals
-        )
-    # The replayed step still computes what the loss used to read (now folded into it).
-    closed = _prune_dead(closed)
-    if replay.calls != len(captures):
-        raise RuntimeError(
-            f"the step called alpa_mini.grad {len(captures)} times on one micro-batch and "
-            f"{replay.calls} times on the full batch; the step must not branch on batch shapes"
-        )
-    return TracedStep(closed, out_shape, captures)
+    return tuple(fold_loss(recorded, rec.recorded, roles, B))
+
+
+def _binds_alike(a: GradCapture, b: GradCapture) -> bool:
+    """Whether the full-shape replay binds ``a`` and ``b`` alike: the same step inputs and
+    argument leaves in (batch inputs aside, which differ by design), the same results out."""
+
+    def fixed(c: GradCapture) -> list[Any]:
+        return [x for x, is_batch in zip(c.loss.in_avals, c.batch, strict=True) if not is_batch]
+
+    return (
+        (a.sources, a.diff, a.batch, a.num_aux) == (b.sources, b.diff, b.batch, b.num_aux)
+        and a.aux_tree == b.aux_tree
+        and fixed(a) == fixed(b)
+        and _out_avals(a) == _out_avals(b)
+    )
 
 
 def _prune_dead(closed: ClosedJaxpr) -> ClosedJaxpr:

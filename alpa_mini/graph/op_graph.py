@@ -8,6 +8,8 @@ are single summarised nodes. ``tracing.trace`` builds it; nothing here imports J
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +32,11 @@ class Tensor:
     role: str  # "param" | "state" | "batch" | "const" | "intermediate"
     name: str = ""
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.size * self.itemsize
 

@@ -87,10 +87,10 @@ class AutoStageOption:
 
     profiling: "individual" composes a layer range's cost from per-layer ILPs plus the
     resharding between them (fast, Alpa's individual mode); "whole" solves one ILP per range.
-    logical_shapes: "auto" tries 1-D and one 2-D logical mesh per submesh; "1d" only 1-D;
-    "model_parallel_in_host" 1-D and every 2-D (n / k, k) whose second axis k > 1 divides a
-    host's devices (Alpa's single-node model parallel space: every (dp, tp) split Megatron
-    would use, at up to log2(devices per host) more ILPs per layer and submesh).
+    logical_shapes: "model_parallel_in_host" (the default) 1-D and every 2-D (n / k, k) whose
+    second axis k > 1 divides a host's devices (Alpa's single-node model parallel space: every
+    (dp, tp) split Megatron would use); "auto" 1-D and one 2-D logical mesh per submesh; "1d"
+    only 1-D. The smaller spaces plan faster and may miss the best (dp, tp).
     memory_budget: moved to ``PipeshardParallel(memory_budget=...)``, the one place a
     pipeline's per-device budget is set (setting it here is an error that says so).
     submesh_space: "power_of_two" searches submeshes of 1, 2, 4, ... hosts (and the
@@ -108,15 +108,15 @@ class AutoStageOption:
     memory_lean: also offer the DP, per submesh, stages whose layers keep parameters and
     optimiser state fully sharded (ZeRO-3's layouts on the 1-D mesh). Per-layer ILPs choose
     layouts for speed alone, so stages composed from them can miss memory that a sharded
-    stage fits; one more ILP per layer and submesh.
+    stage fits; one more (restricted, fast) ILP per layer and submesh. On by default.
     """
 
     profiling: Profiling = "individual"
-    logical_shapes: LogicalShapeSpace = "auto"
+    logical_shapes: LogicalShapeSpace = "model_parallel_in_host"
     memory_budget: float | None = None
     submesh_space: SubmeshSpace = "power_of_two"
     refine: bool = False
-    memory_lean: bool = False
+    memory_lean: bool = True
     refine_within: float | None = None
 
     def __post_init__(self) -> None:
@@ -243,9 +243,10 @@ class ManualStageOption:
 class PipeshardParallel:
     """Pipeline stages over submeshes, each stage auto-sharded by the ILP.
 
-    num_micro_batches: B, the batch is split along its leading dimension. None searches it:
-    the powers of two dividing the batch, by bisection on the predicted iteration time (the
-    plan's ``planning.micro_batches_tried`` lists each count planned).
+    num_micro_batches: B, the batch is split along its leading dimension. None (the default)
+    searches it: the batch's divisors nearest each power of two, by bisection on the
+    predicted iteration time (the plan's ``planning.micro_batches_tried`` lists each count
+    planned; a step whose batch cannot be split gets B = 1).
     pipeline_schedule: "1f1b" or "gpipe". default_auto_sharding_option: ILP options per stage
     (a ``ShardParallel``; its backend, time_limit, layout and batch_axis; the fields a stage
     cannot use, mesh_shape, num_micro_batches, replicate_outputs and memory_budget, must be
@@ -264,7 +265,7 @@ class PipeshardParallel:
     and HLO, at a launch each.
     """
 
-    num_micro_batches: int | None = 1
+    num_micro_batches: int | None = None
     layer_option: AutoLayerOption | ManualLayerOption = field(default_factory=ManualLayerOption)
     stage_option: AutoStageOption | UniformStageOption | ManualStageOption = field(
         default_factory=AutoStageOption

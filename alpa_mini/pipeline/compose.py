@@ -24,6 +24,11 @@ class _LayerTable:
 
     costs: list[StageCost | None]
     reshard_into: list[list[tuple[int, float]]]  # layer b -> [(producer layer a, seconds)]
+    held: list[float] = dataclasses.field(default_factory=list)  # ``_held_bytes`` per layer
+
+    def __post_init__(self) -> None:
+        if not self.held:  # every composed row reads each layer's: worked out once
+            self.held = [0.0 if c is None else _held_bytes(c) for c in self.costs]
 
 
 def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _LayerTable:
@@ -71,7 +76,7 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
             out.extend([None] * (len(table.costs) - j))
             break
         lat += p.latency + sum(t for a, t in table.reshard_into[j] if a >= i)
-        h = _held_bytes(p)
+        h = table.held[j]
         held, transient = held + h, max(transient, p.peak_memory - h)
         res, state = res + p.residual_bytes, state + p.state_bytes
         out.append(StageCost(lat, held + transient, res, state))

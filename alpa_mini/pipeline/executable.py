@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError
-from ..graph.grad_capture import GradCapture, trace_with_grads
+from ..graph.grad_capture import GradCapture, TracedStep, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
 from ..graph.planning_stats import PlanningStats
 from ..graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
@@ -210,6 +210,7 @@ class PreparedStep:
     forward: ClosedJaxpr
     plan: PipeshardPlan
     pieces: PieceMap | None = None
+    traced: TracedStep | None = None  # as traced, before scan splits
 
 
 def prepare_step(
@@ -219,17 +220,22 @@ def prepare_step(
     method: PipeshardParallel,
     cluster: ClusterSpec,
     progress: Callable[[str], None] | None = None,
+    earlier: TracedStep | None = None,
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step.
     Scans over stacked layers are split into sub-scans first when the layer option may cut
     between their iterations (the plan records how). ``num_micro_batches=None``: planned at
-    each count the search tries (``micro_batch_search``), the fastest kept."""
+    each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
+    step traced at another count, whose full-shape replay may be reused."""
     if method.num_micro_batches is None:
         if method.plan is None:
             return _searched(step_fun, avals, roles, method, cluster, progress)
         method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
     t0 = time.perf_counter()
-    step, out_shape, capture, forward = trace_step(step_fun, avals, roles, method.num_micro_batches)
+    traced = trace_with_grads(
+        step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
+    )
+    step, out_shape, capture, forward = _traced_parts(traced)
     plan = method.plan
     splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
     try:
@@ -247,7 +253,8 @@ def prepare_step(
         plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
     else:
         check_plan(plan, cluster, forward, capture, method.num_micro_batches)
-    return PreparedStep(step, jax.tree.structure(out_shape), capture, forward, plan, pieces)
+    out_tree = jax.tree.structure(out_shape)
+    return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
 
 
 def _searched(
@@ -260,21 +267,24 @@ def _searched(
 ) -> PreparedStep:
     """The step prepared at the micro-batch count with the fastest predicted plan."""
     t0 = time.perf_counter()
-    rows = {int(a.shape[0]) for a, r in zip(avals, roles, strict=True) if r == "batch" and a.ndim}
-    if len(rows) != 1:
-        raise ConfigError(
-            "num_micro_batches: None searches the count, which needs batch arguments with one "
-            f"leading dimension (found {sorted(rows) or 'none'}); pass a count instead"
-        )
+    batch = [a for a, r in zip(avals, roles, strict=True) if r == "batch"]
+    # A count must divide every batch leaf's rows; a step without (splittable) batch leaves
+    # has only B = 1.
+    rows = math.gcd(*(int(a.shape[0]) for a in batch)) if all(a.ndim for a in batch) else 1
+
+    first: list[TracedStep] = []  # the first count's trace, whose replay later ones reuse
 
     def plan_at(b: int) -> tuple[PreparedStep, float]:
         if progress is not None:
             progress(f"micro-batches: planning B={b}")
         at = dataclasses.replace(method, num_micro_batches=b)
-        prepared = prepare_step(step_fun, avals, roles, at, cluster, progress)
+        earlier = first[0] if first else None
+        prepared = prepare_step(step_fun, avals, roles, at, cluster, progress, earlier)
+        if not first and prepared.traced is not None:
+            first.append(prepared.traced)
         return prepared, prepared.plan.predicted_time
 
-    prepared, _, tried = search_micro_batches(micro_batch_candidates(rows.pop()), plan_at)
+    prepared, _, tried = search_micro_batches(micro_batch_candidates(max(rows, 1)), plan_at)
     stats = dataclasses.replace(
         prepared.plan.planning or PlanningStats(),
         total_seconds=time.perf_counter() - t0,
@@ -437,7 +447,11 @@ def trace_step(
     fun: Callable[..., Any], avals: list[Any], roles: Sequence[str], num_micro_batches: int
 ) -> tuple:
     """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
-    traced = trace_with_grads(fun, avals, roles, num_micro_batches, "pipeline")
+    return _traced_parts(trace_with_grads(fun, avals, roles, num_micro_batches, "pipeline"))
+
+
+def _traced_parts(traced: TracedStep) -> tuple:
+    """(step jaxpr, output shapes, the grad call's capture, its flat loss)."""
     step = traced.closed
     g = grad_equation(step.jaxpr)
     capture: GradCapture = traced.captures[step.jaxpr.eqns[g].params["index"]]

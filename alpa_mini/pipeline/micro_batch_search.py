@@ -1,6 +1,8 @@
 """The micro-batch count B, searched when ``PipeshardParallel(num_micro_batches=None)``.
 
-Candidates are the powers of two that divide the batch's rows. Two facts make a bisection
+Candidates form a geometric ladder of the batch's divisors: for each power of two up to the
+batch, the divisor nearest to it (the powers of two themselves when they divide it, and e.g.
+38, 76, 152 for a batch of 1520). Two facts make a bisection
 enough: memory only falls as B grows (smaller micro-batches hold fewer activations), so the
 counts that fit are a suffix; and the predicted iteration time over them first falls (a
 smaller pipeline bubble, (S - 1) / B of the step) and then rises (micro-batches too small to
@@ -24,14 +26,19 @@ T = TypeVar("T")
 
 
 def micro_batch_candidates(rows: int) -> list[int]:
-    """The powers of two that divide ``rows``, ascending (1 always)."""
+    """Per power of two ``2**k <= rows``, the divisor of ``rows`` nearest to it on a log
+    scale (the smaller on a tie), ascending without repeats: about log2(rows) counts spaced
+    about 2x apart, so a batch that is not a power of two still gets counts near each."""
     if rows < 1:
         raise ConfigError(f"batch: {rows} rows; a searched micro-batch count needs >= 1")
-    out, b = [], 1
-    while b <= rows and rows % b == 0:
-        out.append(b)
-        b *= 2
-    return out
+    small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
+    divisors = sorted({*small, *(rows // d for d in small)})
+    out: list[int] = []
+    for k in range(rows.bit_length()):
+        near = min(divisors, key=lambda d, k=k: (abs(math.log2(d) - k), d))
+        if near not in out:
+            out.append(near)
+    return sorted(out)
 
 
 def search_micro_batches(

@@ -59,6 +59,14 @@ class CostModel:
 
     # ------------------------------------------------------------------ collectives
     def _group(self, axes: Sequence[int], kind: str) -> tuple[int, float, float]:
+        """(group size, alpha, beta) of a ``kind`` collective over ``axes`` (cached: hot)."""
+        key = ("group", tuple(axes), kind)
+        found = self._reshard_cache.get(key)
+        if found is None:
+            found = self._reshard_cache[key] = self._group_uncached(key[1], kind)
+        return found
+
+    def _group_uncached(self, axes: Sequence[int], kind: str) -> tuple[int, float, float]:
         axes = [a for a in axes if self.mesh.shape[a] > 1]
         if not axes:
             return 1, 0.0, 0.0

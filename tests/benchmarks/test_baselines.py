@@ -150,6 +150,7 @@ def test_uniform_individual_profiling_composes_the_layer_costs():
 
     def stages(num, profiling):
         method = alpa_mini.PipeshardParallel(
+            num_micro_batches=1,
             stage_option=alpa_mini.UniformStageOption(num, (1, 1), profiling=profiling),
             default_auto_sharding_option=alpa_mini.ShardParallel(layout="data"),
         )

@@ -17,10 +17,13 @@ from alpa_mini.pipeline.plan import PipeshardPlan
 from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
 
-def test_candidates_are_the_powers_of_two_dividing_the_batch():
+def test_candidates_are_the_divisors_nearest_each_power_of_two():
     assert micro_batch_candidates(1024) == [2**k for k in range(11)]
-    assert micro_batch_candidates(24) == [1, 2, 4, 8]
-    assert micro_batch_candidates(7) == [1]
+    # 1520 = 16 * 95: after 16, the divisors nearest 32, 64, ..., 1024 on a log scale.
+    assert micro_batch_candidates(1520) == [1, 2, 4, 8, 16, 38, 76, 152, 304, 380, 760]
+    assert micro_batch_candidates(24) == [1, 2, 4, 8, 12]
+    assert micro_batch_candidates(7) == [1, 7]
+    assert micro_batch_candidates(1) == [1]
 
 
 def _curve(k: int, rng: random.Random) -> list[float]:
@@ -73,8 +76,8 @@ def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
 
 def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     """An MLP of 4 marked layers, batch 64, on 8 devices: the count chosen is the one
-    planning every candidate separately finds fastest; the plan records what it tried and
-    keeps it through JSON; the step trains as serial JAX."""
+    planning every candidate separately finds fastest, tracing the full step once; the plan
+    records what it tried and keeps it through JSON; the step trains as serial JAX."""
     alpa_mini.shutdown()
     cluster = ClusterSpec.named("cpu-2x4")
     alpa_mini.init(cluster=cluster)
@@ -89,11 +92,19 @@ def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
             times[b] = alpa_mini.plan(step, params, state, data, method=method).predicted_time
         except MemoryBudgetError:
             times[b] = math.inf
-    searched = alpa_mini.plan(step, params, state, data, method=PipeshardParallel(None))
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return step(*args)
+
+    searched = alpa_mini.plan(counted, params, state, data, method=PipeshardParallel(None))
     assert searched.num_micro_batches == min(times, key=times.get)
     tried = searched.planning.micro_batches_tried
     assert tried and all(t == pytest.approx(times[b], rel=1e-9) for b, t in tried)
     assert len(tried) < len(times)
+    # Each count traces the step on one micro-batch; the full-shape replay is traced once.
+    assert len(calls) == len(tried) + 1
     again = PipeshardPlan.from_json(searched.to_json())
     assert again.planning.micro_batches_tried == tried
     # The step itself plans the same way and trains as serial JAX.

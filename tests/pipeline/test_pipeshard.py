@@ -168,11 +168,13 @@ def test_identical_layers_are_solved_once():
     ex = _run(loss, params, data, method, steps=1)
     p = ex.plan.planning
     # Three kinds of layer: the first (reads the batch, needs no input cotangent), four equal
-    # middle ones, the last (with the loss); six (submesh, logical mesh) pairs on one host of
-    # 8: (1,), (2,), (4,), (2, 2), (8,), (2, 4). Individual profiling composes the 21 ranges.
-    assert p.ilps_solved == 3 * 6
-    assert p.cost_entries == 21 * 6
-    assert p.cache_hits == 3 * 6  # layers 2..4 of the middle four, on each mesh
+    # middle ones, the last (with the loss); ten stage configs on one host of 8: the seven
+    # (submesh, logical mesh) pairs (1,), (2,), (4,), (2, 2), (8,), (4, 2), (2, 4), and the
+    # ZeRO-3 (memory-lean) column of each multi-device submesh. Individual profiling composes
+    # the 21 ranges.
+    assert p.ilps_solved == 3 * 10
+    assert p.cost_entries == 21 * 10
+    assert p.cache_hits == 3 * 10  # layers 2..4 of the middle four, on each config
 
 
 def test_too_small_memory_names_the_minimum():
@@ -359,7 +361,8 @@ def test_wider_logical_shape_space_never_plans_worse():
     plans = {}
     for space in ("auto", "model_parallel_in_host"):
         method = PipeshardParallel(
-            num_micro_batches=2, stage_option=AutoStageOption(logical_shapes=space)
+            num_micro_batches=2,
+            stage_option=AutoStageOption(logical_shapes=space, memory_lean=False),
         )
         step = alpa_mini.parallelize(
             make_train_step(loss, opt, alpa_mini.value_and_grad), method=method
