@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default on)",
     )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    plan.add_argument(
+        "--activations",
+        default="auto",
+        choices=["auto", "stored", "recomputed"],
+        help="keep each block's activations for its backward, or recompute the block there "
+        "(auto, the default: stored, recomputed when no plan fits stored)",
+    )
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
     books = sub.add_parser(
         "notebooks",
@@ -213,13 +220,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
 
-    from ..api import plan
     from ..cluster.spec import ClusterSpec
-    from ..errors import ConfigError
-    from ..graph.micro_batch import value_and_grad
-    from ..models import adam, make_train_step
+    from ..errors import ConfigError, MemoryBudgetError
     from ..models.specs import ModelSpec
     from ..options.pipeshard import AutoStageOption, ManualLayerOption, PipeshardParallel
 
@@ -238,6 +241,12 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         if hasattr(config, "pipeline_marks"):  # layers end at the model's own boundaries
             config = dataclasses.replace(config, pipeline_marks=True)
             spec = dataclasses.replace(spec, config=config)
+        if args.activations != "stored" and not hasattr(spec.config, "remat"):
+            if args.activations == "recomputed":
+                raise ConfigError(
+                    f"--activations: {spec.name} has no recomputation option; use stored or auto"
+                )
+            args.activations = "stored"
         method = PipeshardParallel(
             num_micro_batches=None if args.micro_batches == "auto" else args.micro_batches,
             layer_option=ManualLayerOption(),
@@ -248,19 +257,21 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             ),
             pipeline_schedule=args.schedule,
         )
-        opt = adam(1e-4)
-        params = spec.abstract_params()
-        state = jax.eval_shape(opt.init, params)
-        batch = spec.abstract_batch(args.batch_size)
-        step = make_train_step(spec.loss_fn(), opt, value_and_grad)
-        with console.status("planning") as status:
-            planned = plan(
-                step, params, state, batch, method=method, cluster=cluster, progress=status.update
-            )
+        try:
+            planned = _plan_model(spec, method, cluster, args, args.activations == "recomputed")
+        except MemoryBudgetError as err:
+            if args.activations != "auto":
+                raise
+            console.print(f"no plan fits with activations stored ({str(err)[:200]}...); "
+                          "planning again with every block recomputed in its backward")  # fmt: skip
+            planned = _plan_model(spec, method, cluster, args, True)
+            args.activations = "recomputed"
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
     console.print(planned.summary())
+    if args.activations == "recomputed":
+        console.print("activations: every block recomputed in its backward pass")
     p = planned.planning or PlanningStats()
     if p.micro_batches_tried:
         tried = ", ".join(
@@ -276,6 +287,29 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         args.json.write_text(planned.to_json())
         console.print(f"plan written to {args.json}")
     return 0
+
+
+def _plan_model(spec, method, cluster, args: argparse.Namespace, recompute: bool):
+    """``alpa_mini.plan`` of the bundled model's Adam step from abstract shapes; ``recompute``:
+    every block under ``jax.checkpoint`` (the model config's ``remat``)."""
+    import dataclasses
+
+    import jax
+
+    from ..api import plan
+    from ..graph.micro_batch import value_and_grad
+    from ..models import adam, make_train_step
+
+    if recompute:
+        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, remat=True))
+    opt = adam(1e-4)
+    params = spec.abstract_params()
+    state = jax.eval_shape(opt.init, params)
+    batch = spec.abstract_batch(args.batch_size)
+    step = make_train_step(spec.loss_fn(), opt, value_and_grad)
+    with Console(stderr=True).status("planning") as status:
+        return plan(step, params, state, batch, method=method, cluster=cluster,
+                    progress=status.update)  # fmt: skip
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:

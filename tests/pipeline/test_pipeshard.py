@@ -409,3 +409,25 @@ def test_cli_plan_with_wider_logical_shapes_and_memory_lean(tmp_path):
     names = PipeshardPlan.from_json(out.read_text()).stage_problem.config_names
     # (2, 4): (8,), (4, 2), (2, 4), then (8,) with ZeRO-3 layouts: four columns.
     assert len(names) == 4 and names[0] == "1d" and "zero3" in names[-1]
+
+
+@pytest.mark.slow
+def test_cli_plan_recomputes_blocks_when_stored_activations_fit_nowhere(tmp_path, capsys):
+    """gpt-small at B=1 needs about 61 MiB per device with activations stored and 24 MiB with
+    every block recomputed; on 40 MiB devices `--activations auto` (the default) falls back to
+    recomputation, and `--activations stored` fails naming the memory it would need."""
+    from alpa_mini.cli.main import main
+    from alpa_mini.cluster.spec import _bundled_files
+
+    text = _bundled_files()["cpu-1x8"].read_text()
+    small = tmp_path / "small.yaml"
+    small.write_text(text.replace("memory_bytes: 2147483648", f"memory_bytes: {40 * 2**20}"))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt-small", "--cluster", str(small), "--micro-batches", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps lines
+    assert "no plan fits with activations stored" in said and "recomputed" in said
+    plan = PipeshardPlan.from_json(out.read_text())
+    assert max(s.peak_memory for s in plan.stages) <= 40 * 2**20
+    assert main([*args, "--activations", "stored"]) == 2
+    assert "smallest per-device memory" in " ".join(capsys.readouterr().out.split())
