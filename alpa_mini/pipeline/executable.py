@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._heap import release_free_memory
 from ..cluster.spec import ClusterSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture, TracedStep, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
 from ..graph.planning_stats import PlanningStats
@@ -35,7 +35,7 @@ from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
 from .schedules import make_schedule
 from .stacked_rows import join_rows, take_rows, union_sharding
-from .stage_search import plan_pipeline
+from .stage_search import LEAST_MEMORY, plan_pipeline
 
 __all__ = [
     "PipeshardExecutable",
@@ -284,13 +284,33 @@ def _searched(
             first.append(prepared.traced)
         return prepared, prepared.plan.predicted_time
 
-    prepared, _, tried = search_micro_batches(micro_batch_candidates(max(rows, 1)), plan_at)
+    candidates = micro_batch_candidates(max(rows, 1))
+    failed: MemoryBudgetError | None = None
+    skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...
+    try:
+        prepared, _, tried = search_micro_batches(candidates, plan_at)
+    except MemoryBudgetError as err:
+        failed = err
+    finally:
+        LEAST_MEMORY.reset(skip)
+    if failed is not None:  # ...unless no count fits
+        raise _least_memory_error(failed, lambda: plan_at(candidates[-1])) from None
     stats = dataclasses.replace(
         prepared.plan.planning or PlanningStats(),
         total_seconds=time.perf_counter() - t0,
         micro_batches_tried=tuple(tried),
     )
     return dataclasses.replace(prepared, plan=dataclasses.replace(prepared.plan, planning=stats))
+
+
+def _least_memory_error(err: MemoryBudgetError, plan_largest: Callable[[], Any]) -> Exception:
+    """No count fits: the search's error, with the least memory that would fit at the largest
+    count (the least memory of any), which planning it once more works out."""
+    try:
+        plan_largest()
+    except MemoryBudgetError as full:
+        return MemoryBudgetError(f"{err}; at the largest count, {full}", full.min_budget)
+    return err  # it fits now: the search's error stands (planning is deterministic)
 
 
 def apply_scan_splits(

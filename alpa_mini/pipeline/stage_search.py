@@ -9,6 +9,7 @@ tolerate under 1F1B (``max_succ``). Identical layers (same structural hash) are 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import time
@@ -56,6 +57,14 @@ class _Chosen:
     to_refine: list[list[StageConfig]] | None = None
     problem: StageProblem | None = None
     solution: StageSolution | None = None
+
+
+#: Whether a DP that finds no slicing works out the least per-device memory that would fit (a
+#: second cost table, of ILPs without a budget). The micro-batch search turns it off for the
+#: counts it tries and asks only when no count fits.
+LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "alpa_mini_least_memory", default=True
+)
 
 
 def plan_pipeline(
@@ -126,6 +135,12 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         solution = solve_stages(problem)
         model.stats.dp_seconds = time.perf_counter() - t_dp
     except InfeasibleError as err:
+        if not LEAST_MEMORY.get():
+            raise MemoryBudgetError(
+                f"memory_budget: no pipeline plan fits {format_bytes(budget, 2)} per device "
+                f"({err})",
+                None,
+            ) from None
         state_total, param_total = sizes
         need = _least_pipeline_memory(
             model.forward, model.capture, cluster, method, state_total, param_total,

@@ -116,3 +116,21 @@ def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     want_p, _, _ = jax.jit(make_train_step(marked_mlp_loss, opt))(params, state, data)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(want_p), strict=True):
         assert jax.numpy.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_when_no_count_fits_the_error_names_the_least_memory_of_the_largest(devices8):
+    """Counts that do not fit are priced without working out the memory they would need (a
+    second table of ILPs each); when none fits, the largest count is planned once more for
+    the error, which names the least per-device memory that fits there."""
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
+    params, data = marked_mlp_args(4, 32, 64)
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(None, memory_budget=1024.0)
+    with pytest.raises(MemoryBudgetError, match="at the largest count") as e:
+        alpa_mini.plan(step, params, opt.init(params), data, method=method)
+    need = e.value.min_budget
+    assert need is not None and need > 1024.0
+    fits = PipeshardParallel(64, memory_budget=need * 1.001)
+    assert alpa_mini.plan(step, params, opt.init(params), data, method=fits).num_micro_batches == 64
