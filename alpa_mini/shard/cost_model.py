@@ -162,11 +162,7 @@ def _reshard_steps(
         return ()
     mesh_shape = model.mesh.shape
     full = math.prod(shape) * itemsize
-
-    def place(spec: ShardingSpec) -> dict[int, tuple[int, int]]:
-        return {a: (d, i) for d, axes in enumerate(spec.dims) for i, a in enumerate(axes)}
-
-    src_at, dst_at = place(src), place(dst)
+    src_at, dst_at = src.placement, dst.placement
     moved, gathered = [], []
     for axis, (dim, pos) in src_at.items():
         target = dst_at.get(axis)

@@ -73,6 +73,11 @@ class ShardingSpec:
     def used_axes(self) -> frozenset[int]:
         return self._used  # type: ignore[attr-defined]
 
+    @property
+    def placement(self) -> dict[int, tuple[int, int]]:
+        """Mesh axis -> (tensor dim, position among that dim's axes); shared, do not mutate."""
+        return _placement(self)
+
     def num_shards(self, mesh_shape: Sequence[int]) -> int:
         return _num_shards(self, tuple(mesh_shape))
 
@@ -134,6 +139,11 @@ class ShardingSpec:
     @classmethod
     def from_list(cls, data: Sequence[Sequence[int]]) -> ShardingSpec:
         return cls(tuple(tuple(int(a) for a in axes) for axes in data))
+
+
+@functools.lru_cache(maxsize=65536)
+def _placement(spec: ShardingSpec) -> dict[int, tuple[int, int]]:
+    return {a: (d, i) for d, axes in enumerate(spec.dims) for i, a in enumerate(axes)}
 
 
 @functools.lru_cache(maxsize=65536)

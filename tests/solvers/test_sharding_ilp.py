@@ -370,3 +370,20 @@ def test_mip_takes_over_when_the_lp_bound_is_not_integral() -> None:
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(1.0)
     assert sol.objective == pytest.approx(_optimum(problem))
+
+
+def test_unique_rows_equals_numpy_unique_on_edge_matrices():
+    """The edge-class merge's row grouping is numpy's, exactly: sorted unique rows, each
+    class's first row, every row's class (matrices with inf entries and repeats)."""
+    from alpa_mini.solvers.sharding.mip_model import _unique_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(500):
+        r, c = (int(x) for x in rng.integers(1, 25, 2))
+        mat = rng.integers(0, 3, (r, c)).astype(float)
+        if trial % 2:
+            mat[mat == 2] = np.inf
+        want = np.unique(mat, axis=0, return_index=True, return_inverse=True)
+        got = _unique_rows(mat)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert np.array_equal(got[2], want[2].reshape(-1))
