@@ -64,6 +64,30 @@ def _parser() -> argparse.ArgumentParser:
         "--mesh", default=None, help="shard: logical mesh shape, e.g. 2,4 (default: searched)"
     )
     demo.add_argument("--scan", action="store_true", help="shard: layers with lax.scan")
+    _add_plan_parser(sub)
+    books = sub.add_parser(
+        "notebooks",
+        help="run the checkout's notebooks top to bottom (as CI does), optionally saving figures",
+        description="Execute notebooks/*.ipynb with nbclient on the CPU test mode; a failing "
+        "cell fails the command. The notebooks in git stay output-free.",
+    )
+    books.add_argument("only", nargs="*", help="name prefixes to run, e.g. 01 03 (default: all)")
+    books.add_argument(
+        "--figures", type=Path, default=None, help="folder the notebooks save their figures in"
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="run an evaluation benchmark (from a source checkout) and update BENCHMARKS.md",
+        description="Evaluation benchmarks; arguments after the name go to the benchmark "
+        "(try `alpa-mini bench plan-quality --help`).",
+    )
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """``alpa-mini plan``: its flags are the options a user would set; the rest are searched."""
     plan = sub.add_parser(
         "plan",
         help="plan a model with PipeshardParallel from abstract shapes and print the plan",
@@ -110,25 +134,6 @@ def _parser() -> argparse.ArgumentParser:
         "(auto, the default: stored, recomputed when no plan fits stored)",
     )
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
-    books = sub.add_parser(
-        "notebooks",
-        help="run the checkout's notebooks top to bottom (as CI does), optionally saving figures",
-        description="Execute notebooks/*.ipynb with nbclient on the CPU test mode; a failing "
-        "cell fails the command. The notebooks in git stay output-free.",
-    )
-    books.add_argument("only", nargs="*", help="name prefixes to run, e.g. 01 03 (default: all)")
-    books.add_argument(
-        "--figures", type=Path, default=None, help="folder the notebooks save their figures in"
-    )
-    bench = sub.add_parser(
-        "bench",
-        help="run an evaluation benchmark (from a source checkout) and update BENCHMARKS.md",
-        description="Evaluation benchmarks; arguments after the name go to the benchmark "
-        "(try `alpa-mini bench plan-quality --help`).",
-    )
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
-    return parser
 
 
 #: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
