@@ -5,14 +5,18 @@ the simulated iteration time of both on A100 hosts of 8.
     alpa-mini bench megatron                            # every row; BENCHMARKS.md + CSV
     alpa-mini bench megatron --models megatron-1.7b --no-write
 
-Megatron's plan is priced as published: ``pp`` equal stages of ``dp x tp`` devices (tensor
-parallelism inside a host), the batch split on the dp axis and every other layout the ILP's
-best on the (dp, tp) mesh, each stage solved whole and composed from per-layer ILPs (the
-better kept), at the micro-batch count that fits best (the paper's micro-batch size is not
-in the table). Activations are stored unless the published plan fits no count that way;
-then both sides are priced with every block recomputed (``GPTConfig.remat``). Ours is
-the stage DP (``refine=True``, logical meshes ``model_parallel_in_host``) over the same
-micro-batch counts. Each row runs in a fresh process.
+Megatron's plan is priced at its published configuration: ``pp`` equal stages of
+``dp x tp`` devices (tensor parallelism inside a host), the batch split on the dp axis, and
+its layouts two ways: as the strong grid prices it (``baselines.py``'s ``strong-grid``:
+every other layout the ILP's best on the (dp, tp) mesh, each stage solved whole and
+composed from per-layer ILPs, the better kept; the "Megatron" columns), and with
+Megatron-LM's own parameter layouts pinned (``megatron-lm``: column/row/vocabulary splits,
+whole-stage ILPs; the "Megatron-LM layouts" column), each at the micro-batch count that fits
+best (the paper's micro-batch size is not in the table). Activations are stored unless the
+published plan fits no count that way; then every side is priced with every block
+recomputed (``GPTConfig.remat``). Ours is the stage DP (``refine=True``, logical meshes
+``model_parallel_in_host``) over the same micro-batch counts. Each row runs in a fresh
+process; rows run before the Megatron-LM layouts column show "–" there.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
     from alpa_mini.errors import MemoryBudgetError
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
-    from benchmarks.baselines import evaluate_plan
+    from benchmarks.baselines import evaluate_plan, megatron_splits
 
     spec = ModelSpec.named(name)
     pub = {"dp": spec.published.dp, "tp": spec.published.tp, "pp": spec.published.pp}
@@ -159,6 +163,25 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         recompute, current = False, stored
     their_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
+    splits = megatron_splits(current[1][0])
+    lm_option = dataclasses.replace(ilp, layout="megatron", tensor_splits=splits)
+    lm, lm_plan, lm_reasons = math.inf, None, splits.indivisible(pub["tp"])
+    if not lm_reasons:  # tp divides the heads, the MLP width and the vocabulary
+        lm, lm_plan, lm_reasons = best_of(
+            current,
+            lambda b: alpa_mini.PipeshardParallel(
+                num_micro_batches=b,
+                layer_option=alpa_mini.ManualLayerOption(),
+                stage_option=alpa_mini.UniformStageOption(
+                    pub["pp"], submesh, (pub["dp"], pub["tp"])
+                ),
+                default_auto_sharding_option=lm_option,
+                gradient_sync="ilp",
+            ),
+            "Megatron-LM layouts",
+        )
+    lm_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
     ours, our_plan, our_reasons = best_of(
         current,
         lambda b: alpa_mini.PipeshardParallel(
@@ -184,6 +207,10 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         "our_choice": plan_summary(our_plan),
         "our_reasons": our_reasons,
         "their_seconds": their_seconds,
+        "megatron_lm": lm,
+        "megatron_lm_B": None if lm_plan is None else lm_plan.num_micro_batches,
+        "megatron_lm_reasons": lm_reasons,
+        "megatron_lm_seconds": lm_seconds,
         "planning_s": time.perf_counter() - t0,
     }
 
@@ -221,13 +248,16 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         "",
         f"Command: `{command}` ({datetime.date.today().isoformat()}; {wall:.0f} s). {earlier}"
         "Rows of "
-        "Megatron-LM's GPT table (SC'21 Table 1) on `dgx-a100` hosts; both plans priced by "
+        "Megatron-LM's GPT table (SC'21 Table 1) on `dgx-a100` hosts; all plans priced by "
         "the same cost model and pipeline simulator. Megatron: its published (dp, tp, pp), "
         "equal stages, the batch split on the dp axis, each stage the better of one "
-        "whole-stage ILP and a composition of per-layer ILPs, at the best micro-batch count "
-        "that fits. Activations are stored, unless the published plan fits no count that "
-        "way: then both sides recompute every block in its backward pass, as Megatron-LM "
-        "ran these models. Ours: the stage DP with "
+        "whole-stage ILP and a composition of per-layer ILPs (the strong grid's pricing), "
+        "at the best micro-batch count that fits; *Megatron-LM layouts*: the same "
+        "configuration with Megatron-LM's own parameter layouts pinned (column/row/vocabulary "
+        "splits over tp; `megatron-lm` in `benchmarks/baselines.py`), whole-stage ILPs; – in "
+        "rows run before that column. Activations are stored, unless the published plan "
+        "fits no count that way: then every side recomputes every block in its backward "
+        "pass, as Megatron-LM ran these models. Ours: the stage DP with "
         "`refine=True`, logical meshes `model_parallel_in_host` (every (dp, tp) with tp "
         "inside a host) and `memory_lean=True`, over the same counts. Our (dp, tp) is the "
         "most common stage mesh. *Sync*: whether the row is priced with gradients reduced once "
@@ -235,8 +265,9 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         "yet); *before* gives the per-micro-batch figures of the same row.",
         "",
         "| model | GPUs | activations | sync | Megatron dp/tp/pp | Megatron s | ours dp/tp/pp | "
-        "ours s | ours / Megatron | our planning s | before: Megatron s, ours (dp/tp/pp) s |",
-        "|---|---:|---|---|---|---:|---|---:|---:|---:|---|",
+        "ours s | ours / Megatron | Megatron-LM layouts s | ours / Megatron-LM | "
+        "our planning s | before: Megatron s, ours (dp/tp/pp) s |",
+        "|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     notes: list[str] = []
     before = _before_rows()
@@ -252,13 +283,21 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         sync = _sync_text(r)
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
+        lm = r.get("megatron_lm")
+        lm_text = "–" if lm is None else _seconds(lm)
+        fits = lm is not None and math.isfinite(lm) and math.isfinite(r["ours"])
+        lm_ratio = f"{r['ours'] / lm:.3f}" if fits else "–"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {activations} | {sync} | {theirs} "
             f"| {_seconds(r['theirs'])} | {mine} | "
-            f"{_seconds(r['ours'])} | {ratio} | {r['planning_s']:.0f} | {old_text} |"
+            f"{_seconds(r['ours'])} | {ratio} | {lm_text} | {lm_ratio} | "
+            f"{r['planning_s']:.0f} | {old_text} |"
         )
         if not math.isfinite(r["theirs"]):
             notes.append(f"- {r['model']}, Megatron: " + "; ".join(r["their_reasons"])[:300])
+        if lm is not None and not math.isfinite(lm):
+            why = "; ".join(r.get("megatron_lm_reasons", []))[:300]
+            notes.append(f"- {r['model']}, Megatron-LM layouts: {why}")
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
     stale = [r["model"] for r in results if _sync_text(r) == STALE]

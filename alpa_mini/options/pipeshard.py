@@ -280,8 +280,9 @@ class PipeshardParallel:
     @property
     def shards_optimizer_state(self) -> bool:
         """Whether stages keep optimiser state and gradients sharded over their devices
-        (ZeRO-2 style): under every layout but "data", as the planner prices them."""
-        return self.default_auto_sharding_option.layout != "data"
+        (ZeRO-2 style): under every layout but "data" and "megatron" (state laid out like
+        its parameter), as the planner prices them."""
+        return self.default_auto_sharding_option.layout not in ("data", "megatron")
 
     @classmethod
     def from_plan(cls, plan: Any, **options: Any) -> PipeshardParallel:

@@ -7,6 +7,11 @@ inputs' layouts and let the ILP fill in the rest consistently:
 - ``Zero2Parallel``: as data parallel, but optimiser state sharded, so gradients are
   reduce-scattered into it and the updated parameters all-gathered back.
 - ``Zero3Parallel``: parameters sharded too; they stay sharded between steps.
+- ``layout="megatron"`` with ``tensor_splits``: hand-written tensor parallelism on a
+  (dp, tp) mesh: each parameter split as the table says over tp (axis 1) and replicated over
+  dp, the batch split over dp alone, optimiser state laid out like its parameter.
+- ``layout="zero2"`` with ``tensor_splits``: ZeRO-2 whose parameters the table names are
+  split over the mesh's last axis instead of replicated (DeepSpeed's expert parallelism).
 
 Roles come from the step's signature: leaves of ``batch_argnums`` are the batch, leaves of
 the first argument the parameters, leaves of any other argument optimiser/other state.
@@ -24,6 +29,7 @@ from typing import Any, Literal, get_args
 from .._validate import check_choice, positive_int
 from ..errors import ConfigError
 from ..shard.spec import ShardingSpec
+from .param_splits import ParamSplits
 
 __all__ = [
     "DataParallel",
@@ -34,7 +40,7 @@ __all__ = [
 ]
 
 #: How inputs are laid out: chosen by the ILP, or pinned like a preset.
-Layout = Literal["auto", "data", "zero2", "zero3"]
+Layout = Literal["auto", "data", "zero2", "zero3", "megatron"]
 #: The MIP backend: HiGHS where highspy is installed ("auto"), else CBC.
 Backend = Literal["auto", "highs", "cbc"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -51,7 +57,9 @@ class ShardParallel:
     num_micro_batches: gradient accumulation for ``alpa_mini.grad``/``value_and_grad`` in the
         step. replicate_outputs: return every output that is not updated state replicated (as
     a serial program would); by default outputs keep whatever layout is cheapest.
-    backend/time_limit: for the ILP solver.
+    backend/time_limit: for the ILP solver. layout: "auto" lets the ILP choose; the others
+    pin the inputs' layouts (see the module docstring). tensor_splits: the hand-written split
+    of each parameter, by shape, for ``layout="megatron"`` (required) or ``"zero2"``.
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -62,6 +70,7 @@ class ShardParallel:
     backend: Backend = "auto"
     time_limit: float = 60.0
     layout: Layout = "auto"
+    tensor_splits: ParamSplits | None = None
     plan: Any = None  # a ShardingPlan to replay without planning (``from_plan``)
 
     @classmethod
@@ -106,9 +115,27 @@ class ShardParallel:
             raise ConfigError(f"batch_axis: {self.batch_axis!r} is not a mesh axis index >= 0")
         positive_int("num_micro_batches", self.num_micro_batches)
         check_choice("layout", self.layout, LAYOUTS)
+        self._check_tensor_splits()
         check_choice("backend", self.backend, BACKENDS)
         if not self.time_limit > 0:
             raise ConfigError(f"time_limit: {self.time_limit!r} must be seconds > 0")
+
+    def _check_tensor_splits(self) -> None:
+        splits = self.tensor_splits
+        if splits is None:
+            if self.layout == "megatron":
+                raise ConfigError(
+                    "tensor_splits: None is invalid with layout='megatron'; expected a "
+                    "ParamSplits saying which dimension of each parameter tp splits"
+                )
+            return
+        if not isinstance(splits, ParamSplits):
+            raise ConfigError(f"tensor_splits: {type(splits).__name__} is not a ParamSplits")
+        if self.layout not in ("megatron", "zero2"):
+            raise ConfigError(
+                f"tensor_splits: given with layout={self.layout!r}; valid only with layout "
+                "'megatron' (tensor parallelism) or 'zero2' (expert parallelism on ZeRO-2)"
+            )
 
     def mesh_shapes(
         self, num_devices: int, devices_per_host: int | None = None
@@ -122,6 +149,10 @@ class ShardParallel:
                     f"{num_devices} are available; valid shapes include {valid}"
                 )
             return [self.mesh_shape]
+        if self.layout == "megatron":
+            raise ConfigError(
+                "mesh_shape: None is invalid with layout='megatron'; expected (dp, tp)"
+            )
         if self.layout != "auto":
             return [(num_devices,)]
         return candidate_mesh_shapes(num_devices, devices_per_host)
@@ -131,6 +162,8 @@ class ShardParallel:
     ) -> Callable[[ShardingSpec], bool] | None:
         """Which layouts an input of ``role`` may take under this method (None: any)."""
         axes = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+        if self.layout == "megatron":
+            return self._megatron_filter(role, shape, mesh_shape)
         if role == "batch":
             if self.layout != "auto":
                 return _leading_split(axes, shape)
@@ -144,6 +177,8 @@ class ShardParallel:
                     return None
                 return lambda s: axis in s.dims[0]
             return None
+        if role == "param" and self.tensor_splits is not None:
+            return self._pinned_split(shape, mesh_shape)
         sharded = (self.layout == "zero2" and role == "state") or (
             self.layout == "zero3" and role in ("param", "state")
         )
@@ -152,6 +187,53 @@ class ShardParallel:
         if self.layout in ("data", "zero2", "zero3"):
             return _replicated
         return None
+
+    def _megatron_filter(
+        self, role: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+    ) -> Callable[[ShardingSpec], bool]:
+        """Megatron-LM on a (dp, tp) mesh: the batch (and activations arriving from an
+        earlier stage) split over dp only, parameters as the table says, optimiser state
+        like its parameter (replicated when the table does not know its shape, e.g. a step
+        count)."""
+        if len(mesh_shape) != 2:
+            raise ConfigError(
+                f"layout: 'megatron' plans on a (dp, tp) mesh; got mesh {tuple(mesh_shape)}"
+            )
+        if role == "batch":
+            return _leading_split((0,) if mesh_shape[0] > 1 else (), shape)
+        assert self.tensor_splits is not None  # __post_init__ requires it
+        if role == "state" and self.tensor_splits.find(shape) is None:
+            return _replicated
+        return self._pinned_split(shape, mesh_shape)
+
+    def _pinned_split(
+        self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+    ) -> Callable[[ShardingSpec], bool]:
+        """Exactly the table's split over the mesh's last axis, nothing else."""
+        assert self.tensor_splits is not None
+        dim, axis = self.tensor_splits.dim(shape), len(mesh_shape) - 1
+        ways = mesh_shape[axis]
+        if dim is None or ways == 1:
+            return _replicated
+        if shape[dim] % ways:
+            raise ConfigError(
+                f"tensor_splits: a parameter of shape {tuple(shape)} splits dim {dim} "
+                f"({shape[dim]}) over mesh axis {axis} of {ways} devices, which does not "
+                "divide it"
+            )
+        want = tuple((axis,) if i == dim else () for i in range(len(shape)))
+        return lambda spec: spec.dims == want
+
+    def state_devices(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
+        """Devices one copy of a parameter's optimiser state is spread over: 1 under "data"
+        (a whole copy each), the parameter's own tp split under "megatron" (Megatron-LM's
+        default optimiser keeps state like its parameters), else every device (ZeRO)."""
+        if self.layout == "data":
+            return 1
+        if self.layout == "megatron":
+            assert self.tensor_splits is not None
+            return 1 if self.tensor_splits.dim(shape) is None else mesh_shape[-1]
+        return math.prod(mesh_shape)
 
 
 def _replicated(spec: ShardingSpec) -> bool:

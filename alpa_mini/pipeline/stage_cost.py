@@ -306,13 +306,21 @@ class _StageModel:
         n_dev = submesh[0] * submesh[1]
         opt = self.method.default_auto_sharding_option
         if layout != "auto":  # a memory-lean configuration pins a preset's layouts
-            opt = dataclasses.replace(opt, layout=layout, batch_axis=None)
+            opt = dataclasses.replace(opt, layout=layout, batch_axis=None, tensor_splits=None)
         budget = _budget(self.method, self.cluster)
         # Optimiser state is sharded over the stage's devices, except under plain data
-        # parallelism, which keeps a whole copy on every device (the runtime does the same:
+        # parallelism, which keeps a whole copy on every device, and Megatron's layout, which
+        # keeps it like each parameter (the runtime does the same:
         # PipeshardParallel.shards_optimizer_state, lower/apply_grad.state_sharding).
-        state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
         roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
+        if opt.layout == "megatron":
+            state = self.state_ratio * sum(
+                _nbytes(v.aval) / opt.state_devices(tuple(v.aval.shape), logical)
+                for v, role in zip(diff_in, roles, strict=False)
+                if role == "param"
+            )
+        else:
+            state = self.state_ratio * param_bytes / (1 if opt.layout == "data" else n_dev)
         filters = None
         if opt.layout != "auto" or opt.batch_axis is not None:  # a preset pins input layouts
             filters = _pins(opt, graph, roles, logical)

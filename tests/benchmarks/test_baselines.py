@@ -56,7 +56,7 @@ def test_big_batch_small_weights_data_parallel_wins():
     tensor parallel 1 MiB of activations per layer: the grid picks pure dp."""
     step, args = _mlp_args(width=64, batch=4096)
     best = run_baseline(
-        "megatron", step, args, FOUR, num_layers=4, batch_size=4096, micro_batches=(1,)
+        "strong-grid", step, args, FOUR, num_layers=4, batch_size=4096, micro_batches=(1,)
     )
     assert best.config == {"dp": 4, "tp": 1, "pp": 1, "micro_batches": 1}
     dp = run_baseline(
@@ -70,7 +70,7 @@ def test_tiny_batch_wide_weights_tensor_parallel_wins():
     activations (32 KiB), so the grid's best splits the weights, not the batch."""
     step, args = _mlp_args(width=1024, batch=8)
     best = run_baseline(
-        "megatron", step, args, FOUR, num_layers=4, batch_size=8, micro_batches=(1,)
+        "strong-grid", step, args, FOUR, num_layers=4, batch_size=8, micro_batches=(1,)
     )
     dp = run_baseline(
         "data-parallel", step, args, FOUR, num_layers=4, batch_size=8, micro_batches=(1,)
@@ -191,8 +191,8 @@ def test_screened_grid_finds_the_exhaustive_best(width, batch):
     exhaustive whole-stage search finds (or a faster composed one), on both known cases."""
     step, args = _mlp_args(width=width, batch=batch)
     kw = dict(num_layers=4, batch_size=batch, micro_batches=(1, 2))
-    full = run_baseline("megatron", step, args, FOUR, **kw)
-    screened = run_baseline("megatron", step, args, FOUR, refine_top=2, **kw)
+    full = run_baseline("strong-grid", step, args, FOUR, **kw)
+    screened = run_baseline("strong-grid", step, args, FOUR, refine_top=2, **kw)
     assert screened.tried == full.tried
     assert screened.iteration_time <= full.iteration_time * (1 + 1e-9)
     assert screened.config["tp"] == full.config["tp"]
@@ -201,7 +201,7 @@ def test_screened_grid_finds_the_exhaustive_best(width, batch):
 def test_refine_top_is_checked():
     step, args = _mlp_args(width=64, batch=64)
     with pytest.raises(ConfigError, match=r"refine_top: 0 is not None or a positive integer"):
-        run_baseline("megatron", step, args, FOUR, num_layers=4, batch_size=64, refine_top=0)
+        run_baseline("strong-grid", step, args, FOUR, num_layers=4, batch_size=64, refine_top=0)
 
 
 def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):

@@ -60,8 +60,9 @@ def test_ratios_are_against_the_best_baseline_and_the_family_target():
         ]
     )
     gpt, moe, wrn = rows
+    # Rows written before the rename say "megatron": read as the strong grid.
     assert (gpt["baseline"], gpt["ratio"], gpt["target"], gpt["met"]) == (
-        "megatron",
+        "strong-grid",
         0.95,
         1.0,
         True,
@@ -69,7 +70,7 @@ def test_ratios_are_against_the_best_baseline_and_the_family_target():
     assert (moe["ratio"], moe["target"], moe["met"]) == (0.95, 0.9, False)  # MoE wants <= 0.90
     assert math.isinf(wrn["ratio"]) and not wrn["met"] and "memory_budget" in wrn["note"]
     text = to_markdown(rows, "alpa-mini bench plan-quality", 1.0)
-    assert "| moe-x | 8 | megatron | dp2 tp4 pp1 B16 |" in text and "**no**" in text
+    assert "| moe-x | 8 | strong-grid | dp2 tp4 pp1 B16 |" in text and "**no**" in text
     assert "0-3@1x8(2x4)" in text
     assert text.count("| per micro-batch | – |") == 3  # rows measured before issue 20
 
@@ -88,7 +89,43 @@ def test_rows_rerun_with_once_per_step_sync_show_their_earlier_figures():
     (unsynced,) = to_csv_rows([old], before={"gpt-x": old})
     assert (unsynced["grad_sync"], unsynced["before"]) == ("per micro-batch", "–")
     text = to_markdown([row], "alpa-mini bench plan-quality", 1.0)
-    assert "| 0.900 | ≤ 1.00 | yes | 2.0 | exhaustive | per step | 10.000, 12.000 (1.200) |" in text
+    row = "| 0.900 | ≤ 1.00 | yes | megatron-lm – | – | 0.900 | 2.0 | exhaustive | per step |"
+    assert row + " 10.000, 12.000 (1.200) |" in text
+
+
+def test_rows_compare_ours_with_the_faithful_baseline_and_the_strong_grid():
+    """Each family's faithful baseline (Megatron-LM, DeepSpeed-MoE, PP-DP) and the strong grid
+    get their own ratio; the faithful target tightens on 16+ GPUs (0.95 / 0.5 / 0.8), and a
+    faithful baseline that fits nowhere counts as beaten."""
+    cfg = {"dp": 2, "tp": 4, "pp": 1, "micro_batches": 16}
+    ep = {"dp": 8, "ep": 4, "pp": 1, "micro_batches": 16}
+    gpt = _result(
+        "gpt-x", "gpt", 9.0, [("strong-grid", 9.5, cfg, ""), ("megatron-lm", 10.0, cfg, "")]
+    )
+    moe = _result(
+        "moe-x", "moe", 4.0, [("deepspeed-moe", 10.0, ep, ""), ("strong-grid", 5.0, cfg, "")]
+    )
+    wrn = _result(
+        "wresnet-x", "wresnet", 9.0, [("pp-dp", math.inf, {}, "OOM"), ("zero-3", 9.9, cfg, "")]
+    )
+    for r in (gpt, moe, wrn):
+        r["gpus"] = 16
+    g, m, w = to_csv_rows([gpt, moe, wrn])
+    assert (g["faithful"], g["faithful_s"], g["ratio_faithful"]) == ("megatron-lm", 10.0, 0.9)
+    assert (g["faithful_target"], g["faithful_met"]) == (0.95, True)
+    assert g["ratio_strong_grid"] == pytest.approx(9.0 / 9.5)
+    assert (m["ratio_faithful"], m["faithful_target"], m["faithful_met"]) == (0.4, 0.5, True)
+    assert m["ratio_strong_grid"] == 0.8 and m["baseline"] == "strong-grid"
+    assert math.isinf(w["faithful_s"]) and w["faithful_met"]  # PP-DP fits nowhere
+    assert math.isnan(w["ratio_strong_grid"])  # not run in that row
+    text = to_markdown([g, m, w], "alpa-mini bench plan-quality", 1.0)
+    assert "| megatron-lm 10.000 | 0.900 ≤ 0.95 yes | 0.947 |" in text
+    assert "| deepspeed-moe 10.000 | 0.400 ≤ 0.50 yes | 0.800 |" in text
+    assert "dp8 ep4 pp1 B16" not in text  # the best baseline is the strong grid
+    assert "| pp-dp no fit | – ≤ 0.80 yes | – |" in text
+    gpt["gpus"] = 8  # below 16 GPUs the faithful target is 1.00
+    (small,) = to_csv_rows([gpt])
+    assert small["faithful_target"] == 1.0
 
 
 def test_rows_whose_batch_the_default_counts_do_not_divide_use_the_nearest_divisors():
@@ -133,9 +170,17 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
     # A row measured before gradients were synchronised once per step says so.
     row = (
         "| megatron-x | 32 | stored | per micro-batch | 32/1/1 (B8) | 10.00 | 4/8/1 (B16) "
-        "| 8.00 | 0.800 | 3 | – |"
+        "| 8.00 | 0.800 | – | – | 3 | – |"
     )
     assert row in text
+    # Rows with Megatron-LM's own layouts priced too show them and ours / them.
+    lm = dict(result, megatron_lm=12.5, megatron_lm_B=8, megatron_lm_reasons=[])
+    text = megatron_markdown([lm], "alpa-mini bench megatron", 1.0)
+    assert "| 8.00 | 0.800 | 12.50 | 0.640 | 3 | – |" in text
+    unfit_lm = dict(lm, megatron_lm=math.inf, megatron_lm_reasons=["B=8: 90 GiB"])
+    text = megatron_markdown([unfit_lm], "alpa-mini bench megatron", 1.0)
+    assert "| 0.800 | no plan fits | – | 3 |" in text
+    assert "- megatron-x, Megatron-LM layouts: B=8: 90 GiB" in text
     per_step = {"grad_sync": "per-step", "grad_sync_ilp": "per-step"}
     text = megatron_markdown(
         [dict(result, recomputed=True, **per_step)], "alpa-mini bench megatron", 1.0

@@ -20,7 +20,8 @@ from alpa_mini.pipeline.schedules import SCHEDULES, ScheduleName
 
 
 def test_choice_sets_are_the_literal_types() -> None:
-    assert shard.LAYOUTS == typing.get_args(shard.Layout) == ("auto", "data", "zero2", "zero3")
+    want = ("auto", "data", "zero2", "zero3", "megatron")
+    assert shard.LAYOUTS == typing.get_args(shard.Layout) == want
     assert typing.get_args(pipeshard.LogicalShapeSpace) == pipeshard.LOGICAL_SHAPE_SPACES
     assert SCHEDULES == typing.get_args(ScheduleName) == ("gpipe", "1f1b")
 
