@@ -28,6 +28,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._report import RESULTS, run_child, update_section
@@ -36,8 +37,9 @@ __all__ = ["LAYOUTS", "MODELS", "error_summary", "main", "to_markdown"]
 
 PROG = "alpa-mini bench calibration"
 MODELS = ("mlp-small", "gpt-tiny", "gpt-small", "moe-small", "wresnet-small")
+Layout = tuple[int, tuple[int, int], tuple[int, ...]]
 #: (stages, submesh (hosts, devices), logical mesh) per measured layout.
-LAYOUTS = (
+LAYOUTS: tuple[Layout, ...] = (
     (1, (1, 1), (1,)),
     (1, (1, 2), (2,)),
     (1, (1, 4), (4,)),
@@ -79,32 +81,52 @@ def _concrete(abstract: Any, seed: int) -> Any:
     return jax.tree.map(leaf, abstract)
 
 
-def profile_child(repeats: int) -> dict[str, Any]:
+def profile_child(
+    repeats: int, *, cluster: str = "cpu-1x8", num_cpu_devices: int | None = 8
+) -> dict[str, Any]:
+    """Profile the devices ``alpa_mini.init(cluster, num_cpu_devices=...)`` sets up;
+    ``cluster="local"`` profiles the live devices (one GPU, say)."""
     import alpa_mini
 
-    alpa_mini.init(cluster="cpu-1x8", num_cpu_devices=8)
+    alpa_mini.init(cluster=cluster, num_cpu_devices=num_cpu_devices)
     t0 = time.perf_counter()
     db = alpa_mini.cluster.profile_devices(repeats=repeats)
     return {"profile": db.to_dict(), "seconds": time.perf_counter() - t0}
 
 
-def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
+def measure_child(
+    name: str,
+    profile: dict[str, Any],
+    *,
+    cluster: str = "cpu-1x8",
+    num_cpu_devices: int | None = 8,
+    layouts: Sequence[Layout] = LAYOUTS,
+) -> list[dict[str, Any]]:
     """Every layout of ``name``: per stage, predicted and measured seconds under both the
-    nominal and the profiled cluster."""
+    nominal and the profiled cluster.
+
+    The nominal cluster is what ``alpa_mini.init(cluster, num_cpu_devices=...)`` returns:
+    ``cpu-1x8`` by default; ``cluster="local"`` describes the live devices
+    (``ClusterSpec.detect()``: one H100, say, priced with ``dgx-h100``'s figures). Every
+    layout must fit in that cluster's devices."""
     import dataclasses
 
     import alpa_mini
 
-    alpa_mini.init(cluster="cpu-1x8", num_cpu_devices=8)
+    nominal = alpa_mini.init(cluster=cluster, num_cpu_devices=num_cpu_devices)
+    too_big = [lay for lay in layouts if lay[1][0] * lay[1][1] * lay[0] > nominal.num_devices]
+    if too_big:
+        raise ValueError(
+            f"layouts: {too_big[0]!r} needs more than the {nominal.num_devices} devices of "
+            f"cluster {nominal.name!r}"
+        )
     import jax
 
-    import alpa_mini
     from alpa_mini.cluster.profile_db import ProfileDB
     from alpa_mini.models import adam, make_train_step
     from alpa_mini.models.specs import ModelSpec
     from alpa_mini.runtime.instructions import Run
 
-    nominal = alpa_mini.ClusterSpec.named("cpu-1x8")
     clusters = {"nominal": nominal, "profiled": nominal.with_profile(ProfileDB.from_dict(profile))}
     spec = ModelSpec.named(name)
     marked = hasattr(spec.config, "pipeline_marks")  # else an MLP: balanced layers
@@ -120,7 +142,7 @@ def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state, batch)
     )
     points = []
-    for stages, submesh, logical in LAYOUTS:
+    for stages, submesh, logical in layouts:
         if not marked and stages > spec.config.num_layers:
             continue
         layers: Any = (
@@ -134,6 +156,7 @@ def measure_child(name: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
                 num_micro_batches=MICRO_BATCHES,
                 layer_option=layers,
                 stage_option=alpa_mini.UniformStageOption(stages, submesh, logical),
+                fuse_programs=False,  # a program per forward and backward, timed apart
             )
             plan = alpa_mini.plan(train_step, *abstract, method=method, cluster=cluster)
             step = alpa_mini.parallelize(train_step, method=dataclasses.replace(method, plan=plan))

@@ -105,12 +105,13 @@ def data_parallel_value_and_grad(mesh: jax.sharding.Mesh, B: int) -> Callable[..
     return value_and_grad
 
 
-def _same_shardings_jit(loss: Any, opt: Any, B: int) -> Any:
-    """One ``jax.jit`` of the step with the pipeshard stage's shardings (see above)."""
+def _same_shardings_jit(loss: Any, opt: Any, B: int, num_devices: int = 8) -> Any:
+    """One ``jax.jit`` of the step with the pipeshard stage's shardings (see above), on the
+    first ``num_devices`` devices."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = Mesh(jax.devices()[:8], ("x",))
+    mesh = Mesh(jax.devices()[:num_devices], ("x",))
     train = make_train_step(loss, opt, data_parallel_value_and_grad(mesh, B))
     rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
     return jax.jit(
@@ -125,7 +126,13 @@ def _timed(step: Any, args: tuple[Any, ...]) -> tuple[float, tuple[Any, ...]]:
     return time.perf_counter() - t0, (*new, args[-1])
 
 
-def parity_row(model: str, B: int, steps: int) -> dict[str, Any]:
+def parity_row(model: str, B: int, steps: int, num_devices: int = 8) -> dict[str, Any]:
+    """One row of the parity table: the one-stage pipeshard step, the same-shardings jit
+    and the ILP jit on the first ``num_devices`` devices (8 CPU devices here; 1 on a
+    one-GPU machine)."""
+    have = jax.device_count()
+    if not 1 <= num_devices <= have:
+        raise ValueError(f"num_devices: {num_devices!r} is invalid; JAX has {have} devices")
     loss, params, data = MODELS[model]()
     opt = sgd(0.01)
     train = make_train_step(loss, opt, alpa_mini.value_and_grad)
@@ -134,12 +141,12 @@ def parity_row(model: str, B: int, steps: int) -> dict[str, Any]:
         method=PipeshardParallel(
             num_micro_batches=B,
             layer_option=ManualLayerOption(),
-            stage_option=UniformStageOption(1, (1, 8)),
+            stage_option=UniformStageOption(1, (1, num_devices)),
             default_auto_sharding_option=ShardParallel(layout="data"),
         ),
         donate_argnums="auto",
     )
-    jit = _same_shardings_jit(loss, opt, B)
+    jit = _same_shardings_jit(loss, opt, B, num_devices)
     ilp = alpa_mini.parallelize(
         train, method=ShardParallel(layout="data", num_micro_batches=B), donate_argnums="auto"
     )
