@@ -48,19 +48,27 @@ def search_micro_batches(
     ``MemoryBudgetError`` (or ``ConfigError``) where nothing fits at B. Returns the fastest
     result, its B, and every B planned with its predicted seconds (None: nothing fit), in the
     order they were planned."""
-    results: dict[int, tuple[T, float] | ValueError] = {}
+    # Seconds (or why nothing fits) per count planned; only the fastest result so far is
+    # kept, since a plan of a large model holds its jaxprs and cost tables (GiBs at 1T).
+    results: dict[int, float | ValueError] = {}
     order: list[int] = []
+    best: list[tuple[float, int, T]] = []
 
     def seconds(i: int) -> float:
         b = candidates[i]
         if b not in results:
             try:
-                results[b] = plan(b)
+                result, t = plan(b)
             except (MemoryBudgetError, ConfigError) as err:
-                results[b] = err
+                results[b] = err.with_traceback(None)  # its frames hold that count's plan
+            else:
+                results[b] = t
+                if not best or (t, b) < best[0][:2]:
+                    best[:] = [(t, b, result)]
+                del result
             order.append(b)
         got = results[b]
-        return math.inf if isinstance(got, ValueError) else got[1]
+        return math.inf if isinstance(got, ValueError) else got
 
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
@@ -71,11 +79,10 @@ def search_micro_batches(
         else:
             hi = mid
     seconds(lo)
-    tried = [(b, None if isinstance(results[b], ValueError) else results[b][1]) for b in order]
-    fits = [(got[1], b) for b, got in results.items() if not isinstance(got, ValueError)]
-    if fits:
-        _, best = min(fits)
-        return results[best][0], best, tried  # type: ignore[index]
+    tried = [(b, None if isinstance(results[b], ValueError) else results[b]) for b in order]
+    if best:
+        _, b, result = best[0]
+        return result, b, tried  # type: ignore[return-value]
     errors = [results[b] for b in order]
     text = "; ".join(f"B={b}: {results[b]}" for b in order)[:2000]
     counts = ", ".join(map(str, candidates))
