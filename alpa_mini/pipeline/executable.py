@@ -305,7 +305,8 @@ def _searched(
 
 def _least_memory_error(err: MemoryBudgetError, plan_largest: Callable[[], Any]) -> Exception:
     """No count fits: the search's error, with the least memory that would fit at the largest
-    count (the least memory of any), which planning it once more works out."""
+    count (usually the least of any: smaller micro-batches hold less, unless their rows split
+    badly over the data-parallel axes), which planning it once more works out."""
     try:
         plan_largest()
     except MemoryBudgetError as full:
