@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks._report import (
     RESULTS,
@@ -65,6 +65,9 @@ REFINE_TOP = 3
 OUR_LOGICAL_SHAPES = "model_parallel_in_host"
 #: How a row's plan was searched, recorded per row (rows without it: "auto", not lean).
 OUR_SPACE = f"{OUR_LOGICAL_SHAPES}+memory_lean"
+#: ``our_space`` of rows planned with ``PipeshardParallel()``'s defaults (``--ours defaults``).
+DEFAULTS_SPACE = "defaults"
+Ours = Literal["tuned", "defaults"]
 #: How gradients are synchronised in the runtime the rows are priced for (issue 20: once per
 #: step). Rows measured before lack the field; their figures stay in ``BEFORE`` for one
 #: release and are shown beside the re-run rows.
@@ -140,69 +143,43 @@ def suite_step(name: str) -> tuple[Any, Any, Any, tuple[Any, ...]]:
 
 
 def row(
-    name: str, micro_batches: tuple[int, ...], time_limit: float, refine_top: int = REFINE_TOP
+    name: str,
+    micro_batches: tuple[int, ...],
+    time_limit: float,
+    refine_top: int = REFINE_TOP,
+    ours: Ours = "tuned",
+    baselines: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """Baselines and our plan for one model at its suite GPU count."""
+    """Baselines and our plan for one model at its suite GPU count. ``ours``: "tuned" (the
+    hand-picked settings over ``micro_batches``) or "defaults" (``PipeshardParallel()``, as a
+    user gets it); ``baselines``: which to run (default: the family's)."""
     import alpa_mini
-    from alpa_mini.errors import MemoryBudgetError
-    from benchmarks.baselines import evaluate_plan, run_baselines
+    from benchmarks.baselines import run_baselines
 
     spec, cluster, step, args = suite_step(name)
     ilp = alpa_mini.ShardParallel(time_limit=time_limit)
     num_layers = _num_layers(step, args)
     micro_batches = micro_batch_counts(spec.batch_size, micro_batches)
-
-    # unproven/restricted: free stage MIPs stopped at the time limit over all counts, and
-    # how many of those a restricted (ZeRO-3 or Megatron) stage plan replaced.
-    ours: dict[str, Any] = {
-        "time": math.inf,
-        "plan": None,
-        "reasons": [],
-        "unproven": 0,
-        "restricted": 0,
-    }
     t0 = time.perf_counter()
-    for b in micro_batches:
-        method = alpa_mini.PipeshardParallel(
-            num_micro_batches=b,
-            layer_option=alpa_mini.ManualLayerOption(),
-            stage_option=alpa_mini.AutoStageOption(
-                refine=True, logical_shapes=OUR_LOGICAL_SHAPES, memory_lean=True
-            ),
-            default_auto_sharding_option=ilp,
-            gradient_sync="ilp",
-        )
-        tb = time.perf_counter()
-        try:
-            plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
-        except MemoryBudgetError as err:
-            ours["reasons"].append(f"B={b}: {str(err)[:160]}")
-            progress(f"{name} ours B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")
-            continue
-        ours["unproven"] += plan.planning.ilps_unproven
-        ours["restricted"] += plan.planning.restricted_wins
-        seconds, _, reason = evaluate_plan(plan, cluster)
-        progress(f"{name} ours B={b}: {seconds:.3f} s {reason} ({time.perf_counter() - tb:.0f} s)")
-        if reason:
-            ours["reasons"].append(f"B={b}: {reason}")
-        elif seconds < ours["time"]:
-            ours.update(time=seconds, plan=plan)
+    if ours == "defaults":
+        found = _ours_defaults(name, step, args, cluster)
+    else:
+        found = _ours_tuned(name, step, args, cluster, micro_batches, ilp)
     planning = time.perf_counter() - t0
     progress(f"{name} baselines ...")
-
-    baselines = run_baselines(
+    results = run_baselines(
         step,
         args,
         cluster,
         num_layers=num_layers,
         batch_size=spec.batch_size,
-        names=family_baselines(spec.family),
+        names=family_baselines(spec.family) if baselines is None else baselines,
         micro_batches=micro_batches,
         ilp_option=ilp,
         refine_top=refine_top or None,
     )
-    best = min(baselines, key=lambda r: r.iteration_time)
-    plan = ours["plan"]
+    best = min(results, key=lambda r: r.iteration_time, default=None)
+    plan = found["plan"]
     return {
         "model": name,
         "family": spec.family,
@@ -219,12 +196,12 @@ def row(
                 "reason": r.reason,
                 "seconds": r.seconds,
             }
-            for r in baselines
+            for r in results
         ],
-        "best_baseline": best.name,
+        "best_baseline": None if best is None else best.name,
         "faithful": FAITHFUL.get(spec.family),
         "ours": {
-            "time": ours["time"],
+            "time": found["time"],
             "stages": []
             if plan is None
             else [
@@ -232,14 +209,82 @@ def row(
                 for s in plan.stages
             ],
             "micro_batches": None if plan is None else plan.num_micro_batches,
-            "reasons": ours["reasons"],
-            "ilps_unproven": ours["unproven"],
-            "restricted_wins": ours["restricted"],
+            "reasons": found["reasons"],
+            "ilps_unproven": found["unproven"],
+            "restricted_wins": found["restricted"],
         },
         "planning_s": planning,
         "baseline_search": _search_text(refine_top),
-        "our_space": OUR_SPACE,
+        "our_space": DEFAULTS_SPACE if ours == "defaults" else OUR_SPACE,
     }
+
+
+def _ours_tuned(name, step, args, cluster, micro_batches, ilp) -> dict[str, Any]:
+    """Our fastest plan over ``micro_batches`` with the hand-picked settings (refine, 20 s
+    ILPs, the ILP's gradient sync). unproven/restricted: free stage MIPs stopped at the time
+    limit over all counts, and how many of those a restricted (ZeRO-3 or Megatron) stage
+    plan replaced."""
+    import alpa_mini
+    from alpa_mini.errors import MemoryBudgetError
+    from benchmarks.baselines import evaluate_plan
+
+    found: dict[str, Any] = {
+        "time": math.inf,
+        "plan": None,
+        "reasons": [],
+        "unproven": 0,
+        "restricted": 0,
+    }
+    for b in micro_batches:
+        method = alpa_mini.PipeshardParallel(
+            num_micro_batches=b,
+            layer_option=alpa_mini.ManualLayerOption(),
+            stage_option=alpa_mini.AutoStageOption(
+                refine=True, logical_shapes=OUR_LOGICAL_SHAPES, memory_lean=True
+            ),
+            default_auto_sharding_option=ilp,
+            gradient_sync="ilp",
+        )
+        tb = time.perf_counter()
+        try:
+            plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
+        except MemoryBudgetError as err:
+            found["reasons"].append(f"B={b}: {str(err)[:160]}")
+            progress(f"{name} ours B={b}: no plan fits ({time.perf_counter() - tb:.0f} s)")
+            continue
+        found["unproven"] += plan.planning.ilps_unproven
+        found["restricted"] += plan.planning.restricted_wins
+        seconds, _, reason = evaluate_plan(plan, cluster)
+        progress(f"{name} ours B={b}: {seconds:.3f} s {reason} ({time.perf_counter() - tb:.0f} s)")
+        if reason:
+            found["reasons"].append(f"B={b}: {reason}")
+        elif seconds < found["time"]:
+            found.update(time=seconds, plan=plan)
+    return found
+
+
+def _ours_defaults(name, step, args, cluster) -> dict[str, Any]:
+    """Our plan with the defaults a user gets (``alpa-mini plan`` without flags): the
+    micro-batch count, logical meshes and ZeRO-3 layers searched by the planner itself."""
+    import alpa_mini
+    from alpa_mini.errors import MemoryBudgetError
+    from benchmarks.baselines import evaluate_plan
+
+    method = alpa_mini.PipeshardParallel(layer_option=alpa_mini.ManualLayerOption())
+    found: dict[str, Any] = {"time": math.inf, "plan": None, "reasons": []}
+    try:
+        plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
+    except MemoryBudgetError as err:
+        found["reasons"].append(str(err)[:300])
+        return {**found, "unproven": 0, "restricted": 0}
+    seconds, _, reason = evaluate_plan(plan, cluster)
+    progress(f"{name} ours (defaults, B={plan.num_micro_batches}): {seconds:.3f} s {reason}")
+    if reason:
+        found["reasons"].append(f"B={plan.num_micro_batches}: {reason}")
+    else:
+        found.update(time=seconds, plan=plan)
+    stats = plan.planning
+    return {**found, "unproven": stats.ilps_unproven, "restricted": stats.restricted_wins}
 
 
 def _search_text(refine_top: int) -> str:
@@ -296,7 +341,7 @@ def to_csv_rows(
                 "baseline": baseline_name(r["best_baseline"]),
                 "baseline_config": _config_text(base["config"]),
                 "baseline_s": base["time"],
-                "ours_config": _ours_text(r["ours"]),
+                "ours_config": _ours_label(r.get("our_space", "auto")) + _ours_text(r["ours"]),
                 "ours_s": ours,
                 "ratio": ratio,
                 "target": target,
@@ -380,6 +425,10 @@ def _ours_text(o: dict[str, Any]) -> str:
     return f"B{o['micro_batches']} " + " ".join(parts)
 
 
+def _ours_label(space: str) -> str:
+    return "*defaults* " if space == DEFAULTS_SPACE else "*tuned* "
+
+
 def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: str = "") -> str:
     lines = [
         "## Plan quality: our plans against hand-tuned baselines",
@@ -397,10 +446,13 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "MoE, PP-DP for Wide-ResNet (`benchmarks/baselines.py`); the best that fits is "
         "shown, and ours is also compared with the faithful baseline (target 1.00; on 16+ "
         "GPUs 0.95 for GPT, 0.5 for MoE, 0.8 for Wide-ResNet; – where the row predates it) "
-        "and the strong grid. Ours: the stage DP with `refine=True` over "
-        f"logical meshes `{OUR_LOGICAL_SHAPES}` (1-D and every (n/k, k) with k dividing a "
-        "host's devices) and `memory_lean=True` (ZeRO-3-sharded layers offered too). "
-        "Both sides "
+        "and the strong grid. Ours, *defaults* in the ours column: `PipeshardParallel()` as a "
+        "user gets it (the micro-batch count searched over the batch's divisors nearest each "
+        "power of two, every (dp, tp) with tp in a host, ZeRO-3 layers offered, stages "
+        "composed from per-layer ILPs, the default ILP time limit), the same plan as "
+        "`alpa-mini plan` without flags; *tuned*: the stage DP with `refine=True` over "
+        f"logical meshes `{OUR_LOGICAL_SHAPES}` and `memory_lean=True` at the baselines' "
+        "micro-batch counts. The baselines "
         f"try micro-batch counts {', '.join(map(str, MICRO_BATCHES))} and an ILP time limit "
         f"of {ILP_TIME_LIMIT:.0f} s. *Search*: how the baseline grid was searched: "
         "*exhaustive* plans every configuration with whole-stage ILPs; *screened* plans every "
@@ -429,7 +481,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
             f"{r['search']} | {r['grad_sync']} | {r['before']} |"
         )
     notes = [f"- {r['model']}: {r['note']}" for r in rows if r["note"]]
-    older = [r["model"] for r in rows if r.get("our_space", "auto") != OUR_SPACE]
+    older = [
+        r["model"] for r in rows if r.get("our_space", "auto") not in (OUR_SPACE, DEFAULTS_SPACE)
+    ]
     if older:
         notes.append(
             f'- {", ".join(older)}: ours planned with `logical_shapes="auto"` (1-D and one '
@@ -441,12 +495,51 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
 
 
 def _child(
-    name: str, micro_batches: tuple[int, ...], time_limit: float, refine_top: int
+    name: str,
+    micro_batches: tuple[int, ...],
+    time_limit: float,
+    refine_top: int,
+    ours: Ours,
+    baselines: tuple[str, ...] | None,
 ) -> dict[str, Any]:
     micro = ",".join(map(str, micro_batches))
     args = ["--child", name, "--micro-batches", micro, "--time-limit", str(time_limit)]
-    args += ["--refine-top", str(refine_top)]
+    args += ["--refine-top", str(refine_top), "--ours", ours]
+    if baselines:
+        args += ["--baselines", ",".join(baselines)]
     return run_child("benchmarks.plan_quality", args, timeout=4 * 3600)
+
+
+def _baseline_names(text: str, family: str) -> tuple[str, ...] | None:
+    """``--baselines``: None (the family's), or the named ones; "faithful" is the family's;
+    "none": no baseline (ours only; the row's earlier baselines are kept)."""
+    if text == "family":
+        return None
+    if text == "none":
+        return ()
+    names = [FAITHFUL.get(family, "pp-dp") if n == "faithful" else n for n in text.split(",")]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def _merged(result: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
+    """``result`` with the baselines it did not run kept from the row's ``earlier`` run (each
+    dated by when it ran), and its best baseline picked over all of them."""
+    today = datetime.date.today().isoformat()
+    ran = [{**b, "date": today} for b in result["baselines"]]
+    names = {baseline_name(b["name"]) for b in ran}
+    kept = []
+    if earlier is not None:
+        when = earlier.get("date", "2026-11-21")
+        kept = [
+            {"date": when, **b}
+            for b in earlier["baselines"]
+            if baseline_name(b["name"]) not in names
+        ]
+    every = kept + ran
+    if not every:
+        raise ValueError(f"{result['model']}: no baseline ran and no earlier row to keep them from")
+    best = min(every, key=lambda b: b["time"])
+    return {**result, "baselines": every, "best_baseline": best["name"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -461,6 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         default=REFINE_TOP,
         help="baseline grids: screen with composed stages, re-plan this many whole (0: all)",
     )
+    parser.add_argument(
+        "--ours",
+        default="tuned",
+        choices=["tuned", "defaults"],
+        help="our plan: hand-picked settings (refine, 20 s ILPs) or PipeshardParallel()'s defaults",
+    )
+    parser.add_argument(
+        "--baselines",
+        default="family",
+        help="family (its generic and faithful baselines) or a comma list ('faithful': the "
+        "family's own); baselines not run are kept from the row's earlier run",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
         "--fresh",
@@ -470,8 +575,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     micro = tuple(int(x) for x in opts.micro_batches.split(","))
+    from benchmarks.baseline_names import BASELINES
+
+    choices = (*BASELINES, "faithful", "family", "none")
+    unknown = [n for n in opts.baselines.split(",") if n not in choices]
+    if unknown:
+        parser.error(
+            f"--baselines: {unknown[0]!r} is not one of family, faithful, none, "
+            + ", ".join(BASELINES)
+        )
     if opts.child:
-        result = row(opts.child, micro, opts.time_limit, opts.refine_top)
+        from alpa_mini.models.specs import ModelSpec
+
+        names = _baseline_names(opts.baselines, ModelSpec.named(opts.child).family)
+        result = row(opts.child, micro, opts.time_limit, opts.refine_top, opts.ours, names)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     models = [m for m in opts.models.split(",") if m]
@@ -481,10 +598,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "alpa-mini bench plan-quality " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     kept = [] if opts.fresh or opts.no_write else earlier_rows("plan-quality.json")
+    by_model = {r["model"]: r for r in kept}
+    subset = None if opts.baselines == "family" else tuple(opts.baselines.split(","))
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
-        result = _child(name, micro, opts.time_limit, opts.refine_top)
+        result = _child(name, micro, opts.time_limit, opts.refine_top, opts.ours, subset)
+        if subset is not None:
+            result = _merged(result, by_model.get(name))
         today = datetime.date.today().isoformat()
         results.append({**result, "date": today, "grad_sync": GRAD_SYNC})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
