@@ -119,7 +119,10 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
     lines = [
         "## Plans with the defaults",
         "",
-        f"Command: `python -m benchmarks.default_plans` ({when}), alone, 2 cores. Each row is "
+        f"Command: `python -m benchmarks.default_plans [--models ...]` ({when}), 2 cores, alone "
+        "unless the *run beside* column names what ran beside the row (planning seconds are "
+        "then inflated and not comparable with the targets). *Sync*: the gradient-sync pricing "
+        "the defaults had when the row ran (`after` before the default became `ilp`). Each row is "
         "`alpa-mini plan --model M --cluster dgx-a100 --hosts H` with no other flag, in a fresh "
         "process: the micro-batch count searched (the batch's divisors nearest each power of "
         "two, by bisection), every (dp, tp) with tp in a host, ZeRO-3 layers offered, blocks "
@@ -133,12 +136,12 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         + ", 4 GiB of RSS everywhere.",
         "",
         "| model | GPUs | B | stages | act. | predicted s/iter | tuned s | ratio | planning s "
-        "| peak RSS GiB | B planned |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "| peak RSS GiB | B planned | sync | run beside |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 8 + f" {r['error']} |")
+            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 10 + f" {r['error']} |")
             continue
         tried = ", ".join(
             f"{b}: {'no fit' if t is None else f'{t:.2f}'}" for b, t in sorted(r["tried"])
@@ -151,9 +154,17 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         lines.append(
             f"| {r['model']} | {r['gpus']} | {r['micro_batches']} | {r['stages']} | {act} | "
             f"{r['predicted_s']:.2f} | {'–' if best is None else f'{best:.2f}'} | {ratio} | "
-            f"{r['planning_s']:.1f} | {rss} | {tried} |"
+            f"{r['planning_s']:.1f} | {rss} | {tried} | {r.get('sync', 'after')} | "
+            f"{r.get('beside') or 'alone'} |"
         )
     return "\n".join(lines)
+
+
+def _default_sync() -> str:
+    """The gradient-sync pricing ``PipeshardParallel()`` uses (the rows' planner default)."""
+    from alpa_mini import PipeshardParallel
+
+    return PipeshardParallel().gradient_sync
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     every += list(EXTRA_ROWS)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.default_plans")
     parser.add_argument("--models", default=",".join(every), help="comma-separated rows")
+    parser.add_argument(
+        "--beside",
+        default="",
+        help="what ran on the machine beside this run, recorded per row (planning times and "
+        "wall-clock ILP limits move with load); empty: alone",
+    )
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in every]
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for model in models:
         print(f"{model} ...", flush=True)
-        result = row(model)
+        result = {**row(model), "sync": _default_sync(), "beside": args.beside}
         print(json.dumps(result), flush=True)
         kept = [r for r in kept if r["model"] != model] + [result]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
