@@ -221,12 +221,14 @@ def prepare_step(
     cluster: ClusterSpec,
     progress: Callable[[str], None] | None = None,
     earlier: TracedStep | None = None,
+    on_traced: Callable[[TracedStep], None] | None = None,
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step.
     Scans over stacked layers are split into sub-scans first when the layer option may cut
     between their iterations (the plan records how). ``num_micro_batches=None``: planned at
     each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
-    step traced at another count, whose full-shape replay may be reused."""
+    step traced at another count, whose full-shape replay may be reused; ``on_traced`` gets
+    this count's trace before planning (which may then find that nothing fits)."""
     if method.num_micro_batches is None:
         if method.plan is None:
             return _searched(step_fun, avals, roles, method, cluster, progress)
@@ -235,6 +237,8 @@ def prepare_step(
     traced = trace_with_grads(
         step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
     )
+    if on_traced is not None:
+        on_traced(traced)
     step, out_shape, capture, forward = _traced_parts(traced)
     plan = method.plan
     splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
@@ -272,16 +276,19 @@ def _searched(
     # has only B = 1.
     rows = math.gcd(*(int(a.shape[0]) for a in batch)) if all(a.ndim for a in batch) else 1
 
-    first: list[TracedStep] = []  # the first count's trace, whose replay later ones reuse
+    # The first count's trace, whose replay later ones reuse (kept even where nothing fits at
+    # that count: the trace is made before the planning that finds so).
+    first: list[TracedStep] = []
 
     def plan_at(b: int) -> tuple[PreparedStep, float]:
         if progress is not None:
             progress(f"micro-batches: planning B={b}")
         at = dataclasses.replace(method, num_micro_batches=b)
         earlier = first[0] if first else None
-        prepared = prepare_step(step_fun, avals, roles, at, cluster, progress, earlier)
-        if not first and prepared.traced is not None:
-            first.append(prepared.traced)
+        prepared = prepare_step(
+            step_fun, avals, roles, at, cluster, progress, earlier,
+            on_traced=None if first else first.append,
+        )  # fmt: skip
         return prepared, prepared.plan.predicted_time
 
     candidates = micro_batch_candidates(max(rows, 1))

@@ -121,15 +121,23 @@ def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
 def test_when_no_count_fits_the_error_names_the_least_memory_of_the_largest(devices8):
     """Counts that do not fit are priced without working out the memory they would need (a
     second table of ILPs each); when none fits, the largest count is planned once more for
-    the error, which names the least per-device memory that fits there."""
+    the error, which names the least per-device memory that fits there. The full-shape
+    replay of the step is traced once, although no count it served could be planned."""
     alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
     params, data = marked_mlp_args(4, 32, 64)
     opt = sgd(0.1)
     step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    rows = []
+
+    def counted(*args):
+        rows.append(jax.tree.leaves(args[2])[0].shape[0])
+        return step(*args)
+
     method = PipeshardParallel(None, memory_budget=1024.0)
     with pytest.raises(MemoryBudgetError, match="at the largest count") as e:
-        alpa_mini.plan(step, params, opt.init(params), data, method=method)
+        alpa_mini.plan(counted, params, opt.init(params), data, method=method)
+    assert rows.count(64) == 1 and len(rows) >= 3  # one replay; a record pass per count
     need = e.value.min_budget
     assert need is not None and need > 1024.0
     fits = PipeshardParallel(64, memory_budget=need * 1.001)
