@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,41 @@ def tuned_seconds() -> dict[str, float]:
     return best
 
 
+def published_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The Megatron rows against Megatron-LM's published (dp, tp, pp), as the Megatron
+    table priced it (``megatron.json``: equal stages, each the better of a whole-stage ILP
+    and a composition), and their geometric mean."""
+    path = TUNED[1]
+    theirs = {r["model"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+    rows = [r for r in results if r["model"] in theirs and "error" not in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Megatron-LM's published configurations against the defaults (*Megatron s*: the "
+        "published (dp, tp, pp) as `alpa-mini bench megatron` priced it, its best micro-batch "
+        "count, the ILP free inside each stage, so stronger than Megatron-LM's own layouts; "
+        "target ≤ 1.00):",
+        "",
+        "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults s | defaults / Megatron |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    ratios = []
+    for r in rows:
+        t = theirs[r["model"]]
+        pub = t["published"]
+        ratio = r["predicted_s"] / t["theirs"]
+        ratios.append(ratio)
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {pub['dp']}/{pub['tp']}/{pub['pp']} | "
+            f"{t['theirs']:.2f} | {r['predicted_s']:.2f} | {ratio:.3f} |"
+        )
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    worst = max(ratios)
+    lines += ["", f"Geometric mean {geo:.3f} over {len(ratios)} rows; worst {worst:.3f}."]
+    return lines
+
+
 def to_markdown(results: list[dict[str, Any]], when: str) -> str:
     tuned = tuned_seconds()
     lines = [
@@ -157,7 +193,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             f"{r['planning_s']:.1f} | {rss} | {tried} | {r.get('sync', 'after')} | "
             f"{r.get('beside') or 'alone'} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + published_lines(results))
 
 
 def _default_sync() -> str:
