@@ -3,8 +3,11 @@ stages read, outputs joined into one ``jax.Array`` per user leaf.
 
 Pieces of equal length and layout on disjoint, equally shaped meshes join without a copy
 into one array sharded along its leading (layer) axis over all their devices; fed back, such
-an array is cut into pieces without a copy either. Pieces on the same mesh are concatenated
-there; anything else is gathered onto the first piece's mesh (a copy, with a warning).
+an array is cut into pieces without a copy either. Equal-length pieces whose stages laid
+them out differently are first resharded, each inside its own stage's mesh, into the first
+piece's layout (stages plan their layouts independently), then joined so. Pieces on the same
+mesh are concatenated there; anything else is gathered onto the first piece's mesh (a copy,
+with a warning).
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ def join_rows(parts: Sequence[Any], name: str = "a stacked output") -> Any:
     if len(joined) == 1:
         return joined[0]
     union = _union(joined)
+    if union is None:  # stages laid the rows out differently: align them, each on its own mesh
+        aligned = _aligned(joined)
+        union = None if aligned is None else _union(aligned)
     if union is not None:
         return union
     warnings.warn(
@@ -84,6 +90,27 @@ def join_rows(parts: Sequence[Any], name: str = "a stacked output") -> Any:
     first = joined[0].sharding
     home = NamedSharding(first.mesh, PartitionSpec())
     return _concat_on([jax.device_put(p, home) for p in joined], home)
+
+
+def _aligned(parts: Sequence[jax.Array]) -> list[jax.Array] | None:
+    """The pieces each resharded, on its own devices, into the first piece's layout, when
+    their meshes have one shape and axis names (a reshard inside each stage's submesh, not
+    a gather onto one stage); None otherwise."""
+    first = parts[0].sharding
+    out = []
+    for p in parts:
+        sh = p.sharding
+        if sh.mesh.axis_names != first.mesh.axis_names or sh.mesh.devices.shape != (
+            first.mesh.devices.shape
+        ):
+            return None
+        want = NamedSharding(sh.mesh, first.spec)
+        if not _divides(want, p.shape):
+            return None
+        out.append(
+            p if PartitionSpec(*sh.spec) == PartitionSpec(*first.spec) else jax.device_put(p, want)
+        )
+    return out
 
 
 def _concat_on(parts: Sequence[jax.Array], sharding: NamedSharding) -> jax.Array:
