@@ -518,9 +518,8 @@ def amortize_gradient_reductions(graph: OpGraph, grad_outputs: list[int], scale:
 def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:
     """Seconds to bring each parameter's gradient into the parameter's layout, where the
     optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
-    replicated one), priced after the solve (``gradient_sync="after"``, the default: tying
-    it inside the ILP found the same plans or a 3% slower one and planned up to 1.5x longer,
-    ``alpa-mini bench sync-pricing``)."""
+    replicated one), priced after the solve (``gradient_sync="after"``; under the default
+    "ilp" the stage's ILP prices it through its aliases instead)."""
     seconds = 0.0
     for k in params:
         grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
