@@ -65,6 +65,10 @@ from helpers.parallel_cases import (
     train_step,
 )
 
+# fp32 agreement with serial JAX is what this module is for: it runs with XLA's default
+# CPU codegen, not the suite's fast-compile flags (tests/conftest.py: TEST_XLA_FLAGS).
+pytestmark = pytest.mark.default_codegen
+
 SGD_RTOL, SGD_ATOL = 1e-5, 1e-7
 LOSS_RTOL, LOSS_ATOL = 1e-6, 1e-7
 ADAM_STATE_RTOL, ADAM_STATE_ATOL = 1e-5, 1e-8
