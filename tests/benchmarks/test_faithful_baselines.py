@@ -174,6 +174,7 @@ def test_megatron_lm_block_has_one_all_reduce_per_attention_and_mlp(stage_plans)
     assert reductions == {(True, (1,), act): 6}
 
 
+@pytest.mark.slow  # 7 s
 def test_megatron_lm_baseline_pins_every_stage_and_keeps_state_like_its_parameters(
     stage_plans,
 ):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -18,6 +20,7 @@ def _section_code(title: str) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S))
 
 
+@pytest.mark.slow  # 8 s
 def test_bring_your_own_model_and_checkpoint_examples_run() -> None:
     code = _section_code("Bring your own model")
     assert "alpa_mini.gather" in code and "nnx.split" in code

@@ -74,6 +74,7 @@ def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
     assert e.value.min_budget == 25.0
 
 
+@pytest.mark.slow  # 9 s: plans every count
 def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     """An MLP of 4 marked layers, batch 64, on 8 devices: the count chosen is the one
     planning every candidate separately finds fastest, tracing the full step once; the plan

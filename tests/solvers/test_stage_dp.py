@@ -160,7 +160,13 @@ def test_reference_matches_brute_force(problem: StageProblem) -> None:
 
 @pytest.mark.parametrize(
     ("layers", "hosts", "per_host", "b", "seed"),
-    [(12, 2, 4, 8, 1), (12, 4, 8, 64, 2), (16, 4, 8, 64, 3), (10, 4, 8, 1, 4), (16, 1, 8, 8, 5)],
+    [
+        (12, 2, 4, 8, 1),
+        (12, 4, 8, 64, 2),
+        pytest.param(16, 4, 8, 64, 3, marks=pytest.mark.slow),  # 5-11 s each: full suite
+        (10, 4, 8, 1, 4),
+        pytest.param(16, 1, 8, 8, 5, marks=pytest.mark.slow),
+    ],
 )
 def test_fast_solver_matches_reference_on_realistic_instances(
     layers: int, hosts: int, per_host: int, b: int, seed: int
