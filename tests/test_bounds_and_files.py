@@ -81,6 +81,7 @@ def test_byte_counts_print_in_a_unit_that_shows_them() -> None:
     assert format_bytes(5 * 2**40) == "5.0 TiB"
 
 
+@pytest.mark.slow  # 5 s: full suite
 def test_three_devices_a_host_plan_with_submeshes_that_pack() -> None:
     """Widths 1 and 3 (not 2, which could fill the devices yet not pack into hosts)."""
     cpu = ClusterSpec.named("cpu-1x8")

@@ -204,6 +204,7 @@ def test_refine_top_is_checked():
         run_baseline("strong-grid", step, args, FOUR, num_layers=4, batch_size=64, refine_top=0)
 
 
+@pytest.mark.slow  # 6 s: full suite
 def test_unproven_free_stage_ilp_falls_back_to_restricted_layouts(monkeypatch):
     """When the free stage MIP stops unproven, the stage planner also solves two restricted
     MIPs inside the free space, ZeRO-3's pinned layouts and Megatron's (batch split on the

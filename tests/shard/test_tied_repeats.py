@@ -30,6 +30,7 @@ def _args(layers: int = 16, width: int = 64, rows: int = 64):
     }
 
 
+@pytest.mark.slow  # 3.5 s: full suite
 def test_an_unrolled_stack_is_planned_tied_as_well_as_untied(devices8, monkeypatch) -> None:
     from alpa_mini.models import make_train_step, sgd
 

@@ -311,6 +311,7 @@ def test_random_problems_expand_to_feasible_assignments(seed: int) -> None:
 # --------------------------------------------------------------------------- real instance
 
 
+@pytest.mark.slow  # 4 s: full suite
 def test_contest_instance_b_is_solved_feasibly() -> None:
     path = DATA / "asplos-2025-iopddl-B.json.gz"  # shared/ is beside every checkout and CI
     problem = load_iopddl(path)
