@@ -66,19 +66,20 @@ def devices8():
 
 
 #: Test modules that take the most worker time in the whole suite, longest first (seconds
-#: on two loaded workers, `pytest -n 2 --dist loadscope --durations=60`, 2026-11-25). The
-#: whole suite runs with `--dist loadscope --no-loadscope-reorder`: one module per worker at
-#: a time, in collection order, so the long modules start first and the short ones fill the
-#: gaps (longest-processing-time-first) instead of one long module starting last.
+#: on two loaded workers with the fast-compile flags, `pytest -n 2 --dist loadscope
+#: --durations=150`, 2026-11-27). The whole suite runs with `--dist loadscope
+#: --no-loadscope-reorder`: one module per worker at a time, in collection order, so the long
+#: modules start first and the short ones fill the gaps (longest-processing-time-first)
+#: instead of one long module starting last.
 LONGEST_FIRST = (
-    "tests/runtime/test_ray_runtime.py",  # ~330 s: a Ray session, a 3-host mesh, a Ray job
-    "tests/pipeline/test_pipeshard.py",  # ~200 s
-    "tests/e2e/test_parallel_numerics.py",  # ~210 s
-    "tests/e2e/test_notebooks.py",  # ~155 s
-    "tests/pipeline/test_stage_definition.py",  # ~60 s
-    "tests/pipeline/test_grad_sync.py",  # ~50 s
-    "tests/e2e/test_cli.py",  # ~55 s
-    "tests/runtime/test_ray_setup.py",  # ~50 s
+    "tests/runtime/test_ray_runtime.py",  # ~200 s: a Ray session, a 3-host mesh, a Ray job
+    "tests/pipeline/test_pipeshard.py",  # ~150 s
+    "tests/e2e/test_notebooks.py",  # ~95 s
+    "tests/e2e/test_ray_recovery.py",  # ~70 s
+    "tests/runtime/test_ray_setup.py",  # ~70 s
+    "tests/pipeline/test_grad_sync.py",  # ~40 s
+    "tests/pipeline/test_stage_definition.py",  # ~40 s
+    "tests/e2e/test_cli.py",  # ~35 s
 )
 
 
