@@ -76,15 +76,21 @@ class Recorded:
     aux_tree: Any
     out_avals: tuple[Any, ...]
     name: str
+    fun: Callable[..., Any] | None = None  # the loss function and its argument tree, kept
+    in_tree: Any = None  # so that fold_loss can say how to trace it alone (LossRecipe)
+    has_aux: bool = False
 
 
 @dataclass(frozen=True)
 class TracedStep:
-    """The step traced at full shapes, its output shapes and each grad call's capture."""
+    """The step traced at full shapes, its output shapes and each grad call's capture;
+    ``recipes`` (one per capture, None where the step must be traced again) trace a
+    capture's loss at another micro-batch count without tracing the step."""
 
     closed: ClosedJaxpr
     out_shape: Any
     captures: tuple[GradCapture, ...]
+    recipes: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -145,14 +151,21 @@ def trace_with_grads(
     ``earlier``: the same step traced in ``"pipeline"`` mode at another micro-batch count.
     Its replay is reused when every capture binds the same inputs and results, since the
     full-shape step then differs only in the captures it refers to by index."""
-    captures = record_grads(fun, avals, roles, num_micro_batches, names)
+    recipes = earlier.recipes if earlier is not None and mode == "pipeline" else ()
+    if recipes and all(r is not None for r in recipes):
+        # Every loss reads only step inputs and its own arguments: trace the losses alone at
+        # this count's shapes (not the whole step, optimiser update included).
+        micro = _micro_avals(avals, roles, num_micro_batches, names)
+        captures = tuple(r.capture(micro, roles, num_micro_batches) for r in recipes)
+    else:
+        captures, recipes = record_grads(fun, avals, roles, num_micro_batches, names)
     if (
         mode == "pipeline"
         and earlier is not None
         and len(earlier.captures) == len(captures)
         and all(map(_binds_alike, earlier.captures, captures))
     ):
-        return TracedStep(earlier.closed, earlier.out_shape, captures)
+        return TracedStep(earlier.closed, earlier.out_shape, captures, recipes)
     replay = _Recorder(mode, num_micro_batches, captures)
     with _active(replay):
         closed, out_shape = jax.make_jaxpr(lambda *a: _enter(replay, a, fun), return_shape=True)(
@@ -165,7 +178,7 @@ def trace_with_grads(
             f"the step called alpa_mini.grad {len(captures)} times on one micro-batch and "
             f"{replay.calls} times on the full batch; the step must not branch on batch shapes"
         )
-    return TracedStep(closed, out_shape, captures)
+    return TracedStep(closed, out_shape, captures, recipes)
 
 
 def record_grads(
@@ -174,17 +187,13 @@ def record_grads(
     roles: Sequence[str],
     num_micro_batches: int,
     names: Sequence[str] | None = None,
-) -> tuple[GradCapture, ...]:
+) -> tuple[tuple[GradCapture, ...], tuple[Any, ...]]:
     """The record pass alone: each ``alpa_mini.grad`` call's loss on one micro-batch, folded
-    into a function of the step's inputs."""
+    into a function of the step's inputs, and its ``LossRecipe`` (or None)."""
     from .loss_fold import fold_loss
 
     B = num_micro_batches
-    names = names or [f"leaf {k}" for k in range(len(avals))]
-    micro = [
-        _micro_aval(a, B, names[k]) if r == "batch" else a
-        for k, (a, r) in enumerate(zip(avals, roles, strict=True))
-    ]
+    micro = _micro_avals(avals, roles, B, names)
     rec = _Recorder("record", B)
     with _active(rec):
         try:
@@ -198,7 +207,19 @@ def record_grads(
                     "of their leading dimension, so that what derives from them is split too)"
                 )
             raise
-    return tuple(fold_loss(recorded, rec.recorded, roles, B))
+    folded = fold_loss(recorded, rec.recorded, roles, B)
+    return tuple(c for c, _ in folded), tuple(r for _, r in folded)
+
+
+def _micro_avals(
+    avals: Sequence[Any], roles: Sequence[str], count: int, names: Sequence[str] | None
+) -> list[Any]:
+    """The step's input avals on one micro-batch: batch leaves cut to 1/count of their rows."""
+    names = names or [f"leaf {k}" for k in range(len(avals))]
+    return [
+        _micro_aval(a, count, names[k]) if r == "batch" else a
+        for k, (a, r) in enumerate(zip(avals, roles, strict=True))
+    ]
 
 
 def _binds_alike(a: GradCapture, b: GradCapture) -> bool:
@@ -342,6 +363,9 @@ def _record(
             aux_trees[-1],
             out_avals,
             name,
+            fun,
+            in_tree,
+            has_aux,
         )
     )
     index = len(rec.recorded) - 1

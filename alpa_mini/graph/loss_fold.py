@@ -10,7 +10,8 @@ input is a batch leaf, so whatever derives from the batch is split, however it r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,14 +20,55 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from .grad_capture import GRAD_NAME, GradCapture, Recorded
 from .jaxpr_walk import eval_eqns
 
-__all__ = ["fold_loss"]
+__all__ = ["LossRecipe", "fold_loss"]
+
+
+@dataclass(frozen=True, eq=False)
+class LossRecipe:
+    """How to trace one grad call's folded loss at another micro-batch count without tracing
+    the step again (its optimiser update included): kept where the loss function closes over
+    nothing traced and every non-differentiated argument leaf is a step input as it is, so
+    the folded loss is the loss function itself over (differentiated leaves, step inputs)."""
+
+    fun: Callable[..., Any]
+    in_tree: Any
+    has_aux: bool
+    diff: tuple[bool, ...]
+    leaf_step: tuple[int, ...]  # per argument leaf, its step input (-1: differentiated)
+    step_ins: tuple[int, ...]  # the step inputs the loss reads, in the order it takes them
+    diff_avals: tuple[Any, ...]
+    sources: tuple[tuple[str, int], ...]
+    aux_tree: Any
+
+    def capture(self, micro: Sequence[Any], roles: Sequence[str], count: int) -> GradCapture:
+        """The capture at ``count``, given the step's input avals on one micro-batch."""
+        n_diff = len(self.diff_avals)
+
+        def folded(*values: Any) -> list[Any]:
+            by_step = dict(zip(self.step_ins, values[n_diff:], strict=True))
+            diff_vals = iter(values[:n_diff])
+            flat = [
+                next(diff_vals) if d else by_step[k]
+                for d, k in zip(self.diff, self.leaf_step, strict=True)
+            ]
+            out = self.fun(*jax.tree.unflatten(self.in_tree, flat))
+            value, aux = out if self.has_aux else (out, None)
+            return [value, *jax.tree.leaves(aux)]
+
+        avals = [*self.diff_avals]
+        avals += [jax.ShapeDtypeStruct(micro[k].shape, micro[k].dtype) for k in self.step_ins]
+        loss = jax.make_jaxpr(folded)(*avals)
+        batch = tuple(kind == "step" and roles[k] == "batch" for kind, k in self.sources)
+        diff = tuple(kind == "arg" for kind, _ in self.sources)
+        num_aux = len(loss.out_avals) - 1
+        return GradCapture(loss, diff, batch, num_aux, count, self.sources, self.aux_tree)
 
 
 def fold_loss(
     step: ClosedJaxpr, recorded: Sequence[Recorded], roles: Sequence[str], num_micro_batches: int
-) -> list[GradCapture]:
+) -> list[tuple[GradCapture, LossRecipe | None]]:
     """One ``GradCapture`` per recorded grad call of ``step`` (traced on one micro-batch), in
-    call order."""
+    call order, each with its ``LossRecipe`` where it has one."""
     jaxpr = step.jaxpr
     found = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == GRAD_NAME]
     if len(found) != len(recorded):
@@ -36,7 +78,7 @@ def fold_loss(
             "within the step"
         )
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    captures: list[GradCapture] = [None] * len(recorded)  # type: ignore[list-item]
+    captures: list[tuple[GradCapture, LossRecipe | None]] = [None] * len(recorded)  # type: ignore
     for g in found:
         index = jaxpr.eqns[g].params["index"]
         captures[index] = _fold_one(step, g, recorded[index], producer, roles, num_micro_batches)
@@ -50,7 +92,7 @@ def _fold_one(
     producer: dict[Any, int],
     roles: Sequence[str],
     count: int,
-) -> GradCapture:
+) -> tuple[GradCapture, LossRecipe | None]:
     jaxpr = step.jaxpr
     geqn = jaxpr.eqns[g]
     consts_in = list(geqn.invars[: rec.num_consts])
@@ -102,7 +144,26 @@ def _fold_one(
     diff = tuple(kind == "arg" for kind, _ in sources)
     batch = tuple(kind == "step" and roles[k] == "batch" for kind, k in sources)
     num_aux = len(loss.out_avals) - 1
-    return GradCapture(loss, diff, batch, num_aux, count, tuple(sources), rec.aux_tree)
+    capture = GradCapture(loss, diff, batch, num_aux, count, tuple(sources), rec.aux_tree)
+    direct = rec.fun is not None and not rec.num_consts and not eqns and not const_vars
+    direct = direct and all(  # every non-differentiated leaf is a step input as it is
+        d or (not isinstance(v, Literal) and v in step_index)
+        for v, d in zip(leaves_in, rec.diff, strict=True)
+    )
+    if not direct or any(a.weak_type for a in avals):  # weak types: fold as traced
+        return capture, None
+    recipe = LossRecipe(
+        rec.fun,
+        rec.in_tree,
+        rec.has_aux,
+        rec.diff,
+        tuple(-1 if d else step_index[v] for v, d in zip(leaves_in, rec.diff, strict=True)),
+        tuple(step_index[v] for v in step_ins),
+        tuple(avals[: sum(rec.diff)]),
+        tuple(sources),
+        rec.aux_tree,
+    )
+    return capture, recipe
 
 
 def _eval(jaxpr: Jaxpr, env: dict[Any, Any]) -> list[Any]:

@@ -180,3 +180,55 @@ def test_what_cannot_be_split_is_refused_by_name(cpu8, kind: str, match: str) ->
     )
     with pytest.raises(ValueError, match=match):
         step(w, jnp.ones((BATCH, WIDTH)), jnp.ones((BATCH, WIDTH)))
+
+
+def _traced_at_two_counts(step, avals, roles):
+    from alpa_mini.graph.grad_capture import record_grads, trace_with_grads
+
+    first = trace_with_grads(step, avals, roles, 4, "pipeline")
+    again = trace_with_grads(step, avals, roles, 8, "pipeline", earlier=first)
+    recorded, _ = record_grads(step, avals, roles, 8)
+    return first, again, recorded
+
+
+def test_a_later_count_traces_the_loss_alone_as_the_record_pass_would():
+    """A loss that reads the step's inputs as they are: the first count keeps a LossRecipe,
+    and another count's capture from it (the step not traced) equals that count's record
+    pass equation for equation; a loss of a value the step computed from the batch has no
+    recipe, so each count records the step."""
+    from alpa_mini.models import make_train_step, sgd
+    from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+    params, batch = marked_mlp_args(2, 8, 16)
+    opt = sgd(0.1)
+    args = (params, opt.init(params), batch)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
+    n_state = len(jax.tree.leaves(args[:2]))
+    roles = ["param"] * n_state + ["batch"] * (len(avals) - n_state)
+    calls = []
+
+    def step(*leaves):
+        calls.append(1)
+        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
+        return make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)(p, s, b)
+
+    first, again, recorded = _traced_at_two_counts(step, avals, roles)
+    assert all(r is not None for r in first.recipes)
+    assert len(calls) == 3  # first count: record + replay; the direct record pass at 8
+    for got, want in zip(again.captures, recorded, strict=True):
+        assert got.num_micro_batches == want.num_micro_batches == 8
+        assert (got.sources, got.diff, got.batch) == (want.sources, want.diff, want.batch)
+        assert str(got.loss) == str(want.loss)
+    assert again.closed is first.closed  # the full-shape replay is reused
+
+    def scaled(p, b):  # the loss reads x / 2, which the step computes
+        return marked_mlp_loss(p, b)
+
+    def step2(*leaves):
+        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
+        b = {"x": b["x"] / 2, "y": b["y"]}
+        return make_train_step(scaled, opt, alpa_mini.value_and_grad)(p, s, b)
+
+    first, again, recorded = _traced_at_two_counts(step2, avals, roles)
+    assert first.recipes == (None,)
+    assert str(again.captures[0].loss) == str(recorded[0].loss)
