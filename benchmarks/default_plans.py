@@ -30,8 +30,11 @@ from .megatron_compare import ROWS as MEGATRON_ROWS
 from .plan_quality import SUITES, cluster_for
 
 RESULTS = Path(__file__).resolve().parent / "results" / "default_plans.json"
+#: The tuned runs: the plan-quality table as its tuned settings last made it (kept apart,
+#: since `alpa-mini bench plan-quality --ours defaults` rewrites plan-quality.json's "ours"
+#: with the defaults), and the Megatron table.
 TUNED = (
-    Path(__file__).resolve().parent / "results" / "plan-quality.json",
+    Path(__file__).resolve().parent / "results" / "plan-quality-tuned.json",
     Path(__file__).resolve().parent / "results" / "megatron.json",
 )
 #: Rows beyond the Alpa suites and Megatron's table (with a planning-time target), and the
@@ -108,6 +111,8 @@ def tuned_seconds() -> dict[str, float]:
     best: dict[str, float] = {}
     for path in TUNED:
         for r in json.loads(path.read_text()) if path.exists() else []:
+            if r.get("our_space") == "defaults":  # not a tuned run
+                continue
             ours = r.get("ours")
             t = ours.get("time") if isinstance(ours, dict) else ours
             if isinstance(t, int | float):
@@ -222,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for model in models:
         print(f"{model} ...", flush=True)
-        result = {**row(model), "sync": _default_sync(), "beside": args.beside}
+        today = datetime.date.today().isoformat()
+        result = {**row(model), "sync": _default_sync(), "beside": args.beside, "date": today}
         print(json.dumps(result), flush=True)
         kept = [r for r in kept if r["model"] != model] + [result]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(kept, indent=1) + "\n")
     kept.sort(key=lambda r: every.index(r["model"]) if r["model"] in every else len(every))
-    update_section("default-plans", to_markdown(kept, datetime.date.today().isoformat()))
+    dates = sorted({r["date"] for r in kept if "date" in r}) or [datetime.date.today().isoformat()]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    update_section("default-plans", to_markdown(kept, when))
     return 0
 
 
