@@ -58,10 +58,7 @@ class LossRecipe:
         avals = [*self.diff_avals]
         avals += [jax.ShapeDtypeStruct(micro[k].shape, micro[k].dtype) for k in self.step_ins]
         loss = jax.make_jaxpr(folded)(*avals)
-        batch = tuple(kind == "step" and roles[k] == "batch" for kind, k in self.sources)
-        diff = tuple(kind == "arg" for kind, _ in self.sources)
-        num_aux = len(loss.out_avals) - 1
-        return GradCapture(loss, diff, batch, num_aux, count, self.sources, self.aux_tree)
+        return _capture(loss, self.sources, roles, count, self.aux_tree)
 
 
 def fold_loss(
@@ -141,10 +138,7 @@ def _fold_one(
         for a in in_avals
     ]
     loss = jax.make_jaxpr(folded)(*avals)
-    diff = tuple(kind == "arg" for kind, _ in sources)
-    batch = tuple(kind == "step" and roles[k] == "batch" for kind, k in sources)
-    num_aux = len(loss.out_avals) - 1
-    capture = GradCapture(loss, diff, batch, num_aux, count, tuple(sources), rec.aux_tree)
+    capture = _capture(loss, tuple(sources), roles, count, rec.aux_tree)
     direct = rec.fun is not None and not rec.num_consts and not eqns and not const_vars
     direct = direct and all(  # every non-differentiated leaf is a step input as it is
         d or (not isinstance(v, Literal) and v in step_index)
@@ -164,6 +158,20 @@ def _fold_one(
         rec.aux_tree,
     )
     return capture, recipe
+
+
+def _capture(
+    loss: ClosedJaxpr,
+    sources: tuple[tuple[str, int], ...],
+    roles: Sequence[str],
+    count: int,
+    aux_tree: Any,
+) -> GradCapture:
+    """The ``GradCapture`` of a folded loss over ``sources``: an argument source is
+    differentiated, a step source of a batch leaf is split into micro-batches."""
+    diff = tuple(kind == "arg" for kind, _ in sources)
+    batch = tuple(kind == "step" and roles[k] == "batch" for kind, k in sources)
+    return GradCapture(loss, diff, batch, len(loss.out_avals) - 1, count, sources, aux_tree)
 
 
 def _eval(jaxpr: Jaxpr, env: dict[Any, Any]) -> list[Any]:
