@@ -29,6 +29,7 @@ from ..options.pipeshard import AutoLayerOption, PipeshardParallel
 from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
+from ..shard.solve_pool import solve_session
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .micro_batch_search import micro_batch_candidates, search_micro_batches
 from .plan import PipeshardPlan, ScanSplit
@@ -228,7 +229,25 @@ def prepare_step(
     between their iterations (the plan records how). ``num_micro_batches=None``: planned at
     each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
     step traced at another count, whose full-shape replay may be reused; ``on_traced`` gets
-    this count's trace before planning (which may then find that nothing fits)."""
+    this count's trace before planning (which may then find that nothing fits). Planning
+    solves its ILPs in child processes (``solve_session``), started here so that they are
+    ready by the time tracing is done."""
+    if method.plan is not None:
+        return _prepare_step(step_fun, avals, roles, method, cluster, progress, earlier, on_traced)
+    with solve_session():
+        return _prepare_step(step_fun, avals, roles, method, cluster, progress, earlier, on_traced)
+
+
+def _prepare_step(
+    step_fun: Callable[..., Any],
+    avals: list[Any],
+    roles: list[str],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    progress: Callable[[str], None] | None,
+    earlier: TracedStep | None,
+    on_traced: Callable[[TracedStep], None] | None,
+) -> PreparedStep:
     if method.num_micro_batches is None:
         if method.plan is None:
             return _searched(step_fun, avals, roles, method, cluster, progress)

@@ -332,12 +332,14 @@ def plan_sharding(
     backend: str = "auto",
     time_limit: float | None = 60.0,
     tie_repeats: bool = False,
+    solve: Callable[..., ShardingSolution] = solve_sharding,
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
     ``tie_repeats``: where repeated layers make at least half the ILP's nodes alike
     (``solvers.sharding.tie``), solve with each group of alike nodes tied to one choice, as a
     scanned stack is planned; the full ILP is solved instead when the tied one has no plan.
+    ``solve``: ``solve_sharding`` or a stand-in with its signature (``SolvePool.solve``).
     """
     t0 = time.perf_counter()
     inst = build_sharding_problem(
@@ -351,8 +353,8 @@ def plan_sharding(
     )
     build_time = time.perf_counter() - t0
     try:
-        sol = _solve_tied(inst.problem, backend, time_limit) if tie_repeats else None
-        sol = sol or _solve(inst.problem, backend, time_limit)
+        sol = _solve_tied(inst.problem, backend, time_limit, solve) if tie_repeats else None
+        sol = sol or _solve(inst.problem, backend, time_limit, solve=solve)
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(
             f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
@@ -373,12 +375,16 @@ def plan_sharding(
 
 
 def _solve(
-    problem: ShardingProblem, backend: str, time_limit: float | None, heuristic: bool = True
+    problem: ShardingProblem,
+    backend: str,
+    time_limit: float | None,
+    heuristic: bool = True,
+    solve: Callable[..., ShardingSolution] = solve_sharding,
 ) -> ShardingSolution:
     # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a short
     # local-search incumbent only pays on big cores (3-D meshes), where HiGHS can otherwise
     # run out of time before its first feasible point.
-    return solve_sharding(
+    return solve(
         problem,
         backend=backend,
         time_limit=time_limit,
@@ -393,7 +399,10 @@ def _solve(
 
 
 def _solve_tied(
-    problem: ShardingProblem, backend: str, time_limit: float | None
+    problem: ShardingProblem,
+    backend: str,
+    time_limit: float | None,
+    solve: Callable[..., ShardingSolution] = solve_sharding,
 ) -> ShardingSolution | None:
     """The solution with alike nodes tied (see ``plan_sharding``), read back as a solution of
     ``problem``; None when tying would not halve the problem or the tied one has no plan."""
@@ -410,7 +419,7 @@ def _solve_tied(
         try:
             # Without the limit the LP relaxation settles it: no local-search incumbent.
             tied = _solve(
-                tied_problem.with_usage_limit(limit), backend, time_limit, limit is not None
+                tied_problem.with_usage_limit(limit), backend, time_limit, limit is not None, solve
             )
         except (InfeasibleError, SolverTimeLimitError):
             return None

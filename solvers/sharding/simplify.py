@@ -28,6 +28,8 @@ of that variable). Initially each node owns its own term; merged nodes hand thei
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -205,6 +207,13 @@ class _Graph:
         self.edge_mat: dict[int, np.ndarray] = {}
         self.pair: dict[tuple[int, int], int] = {}
         self.next_eid = 0
+        # Memos keyed by the arrays they were computed from (arrays are replaced, never
+        # changed in place, so identity means unchanged): whether an edge matrix has no
+        # forbidden pair; edges whose matrix passed every edge rule; nodes with nothing
+        # dominated over their current cost, terms and edges.
+        self._finite: dict[int, tuple[np.ndarray, bool]] = {}
+        self.settled: dict[int, np.ndarray] = {}
+        self.undominated: dict[int, tuple[np.ndarray, ...]] = {}
         ecosts = np.where(p.edge_costs >= FORBIDDEN_COST, INF, p.edge_costs)
         for e in range(p.num_edges):
             a, b = (int(x) for x in p.edges[e])
@@ -270,9 +279,19 @@ class _Graph:
     def remove_edge(self, eid: int) -> None:
         a, b = self.edge_end.pop(eid)
         del self.edge_mat[eid]
+        self._finite.pop(eid, None)
+        self.settled.pop(eid, None)
         del self.pair[(a, b) if a < b else (b, a)]
         self.adj[a].discard(eid)
         self.adj[b].discard(eid)
+
+    def all_finite(self, eid: int) -> bool:
+        """Whether edge ``eid`` allows every pair (no forbidden entry)."""
+        mat = self.edge_mat[eid]
+        hit = self._finite.get(eid)
+        if hit is None or hit[0] is not mat:
+            hit = self._finite[eid] = (mat, bool(np.isfinite(mat).all()))
+        return hit[1]
 
     def oriented(self, eid: int, x: int) -> tuple[int, np.ndarray]:
         """(other end, matrix with x's strategies as rows)."""
@@ -324,6 +343,7 @@ class _Graph:
 
     def remove_var(self, x: int) -> None:
         del self.alive[x], self.cost[x], self.adj[x], self.terms[x]
+        self.undominated.pop(x, None)
 
 
 def _binding_mask(p: ShardingProblem) -> np.ndarray:
@@ -400,8 +420,10 @@ def _visit(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
         stats.bump("forbidden")
         for eid in g.adj[x]:
             push(g.oriented(eid, x)[0])
-    # Arc consistency on every incident edge.
+    # Arc consistency on every incident edge holding a forbidden pair.
     for eid in list(g.adj[x]):
+        if g.settled.get(eid) is g.edge_mat[eid] or g.all_finite(eid):
+            continue
         y, mat = g.oriented(eid, x)
         row_ok = np.isfinite(mat).any(axis=1)
         if not row_ok.all():
@@ -420,12 +442,10 @@ def _visit(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
         return
     # Followers: a neighbour whose strategy is a function of x's merges into x.
     for eid in list(g.adj[x]):
-        if eid not in g.edge_end:
+        if eid not in g.edge_end or g.settled.get(eid) is g.edge_mat[eid]:
             continue
         y, mat = g.oriented(eid, x)
-        fin = np.isfinite(mat)
-        y_follows = bool((fin.sum(axis=1) == 1).all())
-        x_follows = bool((fin.sum(axis=0) == 1).all())
+        y_follows, x_follows, fin = _follows(g, eid, mat)
         if y_follows and x_follows:
             # A bijection: either direction is exact, so move the lighter variable; always
             # moving the heavier one makes hubs migrate again and again (quadratic).
@@ -442,9 +462,9 @@ def _visit(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
             return
     # Separable edges (a_i + b_j, which includes constant ones) fold into node costs.
     for eid in list(g.adj[x]):
-        y, mat = g.oriented(eid, x)
-        if not np.isfinite(mat).all():
+        if g.settled.get(eid) is g.edge_mat[eid] or not g.all_finite(eid):
             continue
+        y, mat = g.oriented(eid, x)
         a = mat[:, 0]
         b = mat[0, :] - mat[0, 0]
         sep = a[:, None] + b[None, :]
@@ -455,6 +475,9 @@ def _visit(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
             g.remove_edge(eid)
             stats.bump("separable")
             push(y)
+    # Every edge of x has now passed the three edge rules: none fires again on the same matrix.
+    for eid in g.adj[x]:
+        g.settled[eid] = g.edge_mat[eid]
     # Dominated strategies.
     if _drop_dominated(g, x):
         stats.bump("dominated")
@@ -483,6 +506,15 @@ def _visit(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
             if len(g.alive[y]) * len(g.alive[x]) * len(g.alive[z]) <= MAX_CHAIN_TENSOR:
                 _eliminate_chain(g, x, y, z, m1, m2, push)
                 stats.bump("chain")
+
+
+def _follows(g: _Graph, eid: int, mat: np.ndarray) -> tuple[bool, bool, np.ndarray]:
+    """(each row allows exactly one column, each column exactly one row, finite mask) of an
+    edge matrix oriented with x's strategies as rows."""
+    fin = np.isfinite(mat)
+    if g.all_finite(eid):  # every pair allowed: a function only of a single strategy
+        return mat.shape[1] == 1, mat.shape[0] == 1, fin
+    return bool((fin.sum(axis=1) == 1).all()), bool((fin.sum(axis=0) == 1).all()), fin
 
 
 def _fix(g: _Graph, x: int, push: Any, stats: ReductionStats) -> None:
@@ -521,9 +553,14 @@ def _merge(g: _Graph, y: int, *, into: int, f: np.ndarray, eid: int) -> None:
 def _drop_dominated(g: _Graph, x: int) -> bool:
     """Remove strategies of x that another strategy matches or beats everywhere."""
     k = len(g.alive[x])
+    eids = sorted(g.adj[x])
+    key = (g.cost[x], *(g.term_usage[t] for t in g.terms[x]), *(g.edge_mat[e] for e in eids))
+    seen = g.undominated.get(x)
+    if seen is not None and len(seen) == len(key) and all(map(operator.is_, seen, key)):
+        return False  # nothing changed since the last check found nothing
     cols = [g.cost[x][:, None]]
     cols += [g.term_usage[t][:, None] for t in g.terms[x]]
-    cols += [g.oriented(eid, x)[1] for eid in g.adj[x]]
+    cols += [g.oriented(eid, x)[1] for eid in eids]
     sig = np.concatenate(cols, axis=1)
     if k * k * sig.shape[1] > 20_000_000:
         return False
@@ -532,14 +569,22 @@ def _drop_dominated(g: _Graph, x: int) -> bool:
     # j dominates i if no worse everywhere and either strictly better somewhere or an
     # identical earlier copy; this order is strict, so every dropped strategy keeps a
     # surviving dominator.
-    earlier = np.arange(k)[:, None] < np.arange(k)[None, :]
-    dominates = le & (~eq | earlier)
-    np.fill_diagonal(dominates, False)
+    # Strictly upper-triangular ``earlier`` also keeps a strategy from dominating itself.
+    dominates = le & (~eq | _earlier(k))
     dropped = dominates.any(axis=0)
     if not dropped.any():
+        g.undominated[x] = key
         return False
     g.restrict(x, ~dropped)
     return True
+
+
+@functools.cache
+def _earlier(k: int) -> np.ndarray:
+    """``out[j, i]``: j < i (read-only, shared)."""
+    out = np.triu(np.ones((k, k), dtype=bool), 1)
+    out.flags.writeable = False
+    return out
 
 
 def _eliminate_leaf(g: _Graph, x: int, push: Any) -> None:
@@ -562,12 +607,12 @@ def _eliminate_chain(
     # total[i, j, k] = m1[i, j] + cost_x[i] + m2[i, k] for x-strategy i, y-strategy j and
     # z-strategy k (both matrices are oriented with x's strategies as rows).
     total = m1[:, :, None] + g.cost[x][:, None, None] + m2[:, None, :]
-    best = np.argmin(total, axis=0)
-    new = np.take_along_axis(total, best[None], axis=0)[0]
+    best = total.argmin(axis=0)
+    new = total.min(axis=0)  # equals total at best: argmin and min pick the same entry
     g.remove_edge(next(iter(g.adj[x])))
     g.remove_edge(next(iter(g.adj[x])))
     table = np.full((g.base_k[y], g.base_k[z]), -1, dtype=np.int64)
-    table[np.ix_(g.alive[y], g.alive[z])] = g.alive[x][best]
+    table[g.alive[y][:, None], g.alive[z][None, :]] = g.alive[x][best]
     g.drop_terms(x, 0)
     g.log.append(("chain", x, y, z, table))
     g.remove_var(x)
