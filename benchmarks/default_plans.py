@@ -46,12 +46,15 @@ TARGETS = {"gpt-1.3b": 5.0, "gpt-39b": 60.0, "gpt3-175b": 120.0, "megatron-1t": 
 ROW_LIMIT = 3600
 # The child's own peak (VmHWM): ru_maxrss would also count the parent's RSS at fork, which
 # Linux carries over exec.
+# Its solver processes (``shard.solve_pool``) are its children: RUSAGE_CHILDREN's ru_maxrss is
+# the largest of them once they are stopped.
 CHILD = """
-import re, sys
+import re, resource, sys
 from alpa_mini.cli.main import main
 code = main(sys.argv[1:])
 hwm = re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())
 print("PEAK_RSS_KIB", hwm.group(1) if hwm else -1, flush=True)
+print("SOLVER_RSS_KIB", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True)
 sys.exit(code)
 """
 
@@ -82,12 +85,14 @@ def row(model: str) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         rss = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if "PEAK_RSS_KIB" in ln]
         rss = [k for k in rss if k > 0]
+        solver = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if "SOLVER_RSS_KIB" in ln]
         result: dict[str, Any] = {
             "model": model,
             "gpus": spec.gpus,
             "wall_s": wall,
             "peak_rss_gib": rss[0] / 2**20 if rss else None,
             "rss": "VmHWM",
+            "solver_rss_gib": solver[0] / 2**20 if solver and solver[0] > 0 else None,
         }
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
@@ -169,8 +174,10 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         "two, by bisection), every (dp, tp) with tp in a host, ZeRO-3 layers offered, blocks "
         "recomputed only where nothing fits stored. Planning s: the planner's own total; peak "
         "RSS: the planning process's own peak (≤: an upper bound, read as ru_maxrss, which on "
-        "Linux also counts the benchmark runner's RSS at fork). *Tuned s*: the fastest plan "
-        "of the plan-quality or Megatron table's own runs (hand-picked settings: refine, "
+        "Linux also counts the benchmark runner's RSS at fork), and in brackets the largest "
+        "peak of its ILP solver processes (one per core, from 2026-11-27). *Tuned s*: the "
+        "fastest plan of the plan-quality or Megatron table's own runs (hand-picked settings: "
+        "refine, "
         "20 s ILPs); *ratio*: defaults / tuned "
         "(target 1.02). Planning targets (issue 23): "
         + ", ".join(f"{m} {t:.0f} s" for m, t in TARGETS.items())
@@ -189,6 +196,8 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         )
         bound = "" if r.get("rss") == "VmHWM" else "≤"
         rss = "–" if r["peak_rss_gib"] is None else f"{bound}{r['peak_rss_gib']:.2f}"
+        if r.get("solver_rss_gib"):
+            rss += f" (+{r['solver_rss_gib']:.2f} each solver)"
         best = tuned.get(r["model"])
         ratio = "–" if best is None else f"{r['predicted_s'] / best:.3f}"
         act = "recomp." if r.get("recomputed") else "stored"
