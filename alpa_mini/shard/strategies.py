@@ -14,6 +14,7 @@ A primitive without a rule gets one strategy, everything replicated, and one log
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -642,7 +643,38 @@ def _layouts(
     native_rs: bool,
 ) -> tuple[_Layout, ...]:
     """Every valid assignment of mesh axes to the nest's loops, as layouts. It depends only on
-    shapes and the mesh, so the many nodes of a model that share them are enumerated once."""
+    shapes and the mesh, so the many nodes of a model that share them are enumerated once;
+    the shapes only decide which of the nest's candidate layouts divide evenly, so each
+    micro-batch size filters one enumeration (``_candidates``) instead of redoing it."""
+    unsized = dataclasses.replace(nest, sizes=(0,) * len(nest.sizes))
+    found: dict[tuple, _Layout] = {}
+    for splits, lay, key in _candidates(unsized, mesh_shape, twins, native_rs):
+        if key in found or any(nest.sizes[loop] % n for loop, n in splits):
+            continue
+        # Operand dims of size 1 or not divisible by their loop's split cannot carry it.
+        if any(
+            sp is not None and shape is not None and not sp.fits(shape, mesh_shape)
+            for sp, shape in zip(lay.in_specs, in_shapes, strict=True)
+        ):
+            continue
+        if any(
+            not sp.fits(shape, mesh_shape)
+            for sp, shape in zip(lay.out_specs, out_shapes, strict=True)
+        ):
+            continue
+        found[key] = lay
+    return tuple(found.values())
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _candidates(
+    nest: LoopNest,
+    mesh_shape: tuple[int, ...],
+    twins: tuple[tuple[int, int], ...],
+    native_rs: bool,
+) -> tuple[tuple[tuple[tuple[int, int], ...], _Layout, tuple], ...]:
+    """Every layout of an (unsized) nest before shapes are checked, in enumeration order:
+    (the (loop, shards) splits its loop sizes must divide by, the layout, its identity)."""
     axes = [a for a, n in enumerate(mesh_shape) if n > 1]
     in_result = {loop for m in nest.outputs for loop in m if loop is not None}
     reduce_kind = dict(nest.reductions)
@@ -651,7 +683,7 @@ def _layouts(
         for loop in range(len(nest.sizes))
         if loop not in nest.fixed and (loop in in_result or loop in reduce_kind)
     ]
-    found: dict[tuple, _Layout] = {}
+    out: list[tuple[tuple[tuple[int, int], ...], _Layout, tuple]] = []
     for assignment in itertools.product([None, *splittable], repeat=len(axes)):
         if twins and not _canonical(assignment, axes, twins):
             continue
@@ -659,11 +691,9 @@ def _layouts(
         for axis, loop in zip(axes, assignment, strict=True):
             if loop is not None:
                 loop_axes.setdefault(loop, []).append(axis)
-        if any(
-            nest.sizes[loop] % math.prod(mesh_shape[a] for a in ax)
-            for loop, ax in loop_axes.items()
-        ):
-            continue
+        splits = tuple(
+            (loop, math.prod(mesh_shape[a] for a in ax)) for loop, ax in loop_axes.items()
+        )
         reduced = tuple(
             sorted(a for loop, ax in loop_axes.items() if loop in reduce_kind for a in ax)
         )
@@ -680,12 +710,6 @@ def _layouts(
             return ShardingSpec(tuple(dims))
 
         in_specs = tuple(None if m is None else spec(m) for m in nest.operands)
-        # Operand dims of size 1 or not divisible by their loop's split cannot carry it.
-        if any(
-            sp is not None and shape is not None and not sp.fits(shape, mesh_shape)
-            for sp, shape in zip(in_specs, in_shapes, strict=True)
-        ):
-            continue
         parallel = math.prod(mesh_shape[a] for ax in loop_axes.values() for a in ax)
         base_out = tuple(spec(m) for m in nest.outputs)
         label = (
@@ -704,29 +728,20 @@ def _layouts(
             variants.append((f"{label} AR({_axis_names(reduced)})", base_out, None, ar_key))
             kinds = {reduce_kind[loop] for loop in loop_axes if loop in reduce_kind}
             if kinds == {"sum"} and len(base_out) == 1 and len(groups) == 1:
-                out_shape = out_shapes[0]
                 kind = "reduce-scatter" if native_rs else "all-reduce"
-                for d in range(len(out_shape)):
+                for d in range(len(nest.outputs[0])):
                     have = base_out[0].dims[d]
                     if have and max(have) > min(reduced):
                         continue  # keep axes in increasing order within a dim
                     cand = spec(nest.outputs[0], {d: reduced})
-                    if not cand.fits(out_shape, mesh_shape):
-                        continue
                     name = f"{label} RS({_axis_names(reduced)})@{d}"
                     variants.append((name, (cand,), reduced, ((kind, reduced),)))
         for name, outs, scatter, coll_key in variants:
-            if any(
-                not sp.fits(shape, mesh_shape) for sp, shape in zip(outs, out_shapes, strict=True)
-            ):
-                continue
-            key = (in_specs, outs, coll_key)
-            if key in found:
-                continue
-            found[key] = _Layout(
+            lay = _Layout(
                 name, in_specs, outs, parallel, shards, groups if reduced else (), scatter
             )
-    return tuple(found.values())
+            out.append((splits, lay, (in_specs, outs, coll_key)))
+    return tuple(out)
 
 
 def symmetric_axis_pairs(cost: CostModel) -> tuple[tuple[int, int], ...]:
