@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..cluster.spec import ClusterSpec, LogicalMesh
 from .spec import ShardingSpec
 
@@ -115,26 +117,57 @@ class CostModel:
         itemsize: int,
         srcs: Sequence[ShardingSpec],
         dsts: Sequence[ShardingSpec],
-    ) -> list[list[float]]:
-        """``reshard`` for every (src, dst) pair; the planner's hot loop, so whole tables are
-        kept (repeated layers ask for the same ones) and, below them, one small cache per
-        tensor shape instead of a key per pair."""
+    ) -> np.ndarray:
+        """``reshard`` for every (src, dst) pair; the planner's hot loop. A pair's steps depend
+        on the shape only through the tensor's bytes, so they are worked out once per pair
+        of layout lists (every micro-batch size reuses them) and priced here per shape, in
+        the same floating-point order as ``reshard``; whole tables are kept too (repeated
+        layers ask for the same ones)."""
         table_key = ("table", tuple(shape), itemsize, tuple(srcs), tuple(dsts))
         table = self._reshard_cache.get(table_key)
         if table is not None:
             return table
-        times = self._reshard_cache.setdefault(("times", tuple(shape), itemsize), {})
-        table = []
-        for s in srcs:
-            row = []
-            for d in dsts:
-                t = times.get((s, d))
-                if t is None:
-                    t = times[(s, d)] = self.reshard(shape, itemsize, s, d)
-                row.append(t)
-            table.append(row)
+        terms_key = ("terms", table_key[3], table_key[4])
+        terms = self._reshard_cache.get(terms_key)
+        if terms is None:
+            terms = self._reshard_cache[terms_key] = self._step_terms(srcs, dsts)
+        full = math.prod(shape) * itemsize
+        table = np.zeros((len(srcs), len(dsts)))
+        for alpha, coef, shards in terms:  # step k of every pair: alpha + coef * bytes seen
+            table = table + (alpha + coef * (full / shards))
         self._reshard_cache[table_key] = table
         return table
+
+    def _step_terms(
+        self, srcs: Sequence[ShardingSpec], dsts: Sequence[ShardingSpec]
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per step index k, (alpha, coefficient, shards) arrays over (src, dst) pairs: step k
+        costs ``alpha + coef * (bytes / shards)`` (0, 0, 1 where a pair has no step k or its
+        group is one device, as ``_collective_terms`` prices it)."""
+        per_pair = [[_step_plan(self, s, d) for d in dsts] for s in srcs]
+        depth = max((len(p) for row in per_pair for p in row), default=0)
+        out = []
+        for k in range(depth):
+            alpha, coef = np.zeros((len(srcs), len(dsts))), np.zeros((len(srcs), len(dsts)))
+            shards = np.ones((len(srcs), len(dsts)))
+            for i, row in enumerate(per_pair):
+                for j, plan in enumerate(row):
+                    if k < len(plan):
+                        kind, axes, div = plan[k]
+                        alpha[i, j], coef[i, j] = self._collective_terms(kind, axes)
+                        shards[i, j] = div
+            out.append((alpha, coef, shards))
+        return out
+
+    def _collective_terms(self, kind: str, axes: Sequence[int]) -> tuple[float, float]:
+        """(alpha, coefficient) with ``kind``'s seconds = alpha + coefficient * nbytes, written
+        as ``all_gather`` and ``all_to_all`` compute them, so the sums agree bit for bit."""
+        n, alpha, beta = self._group(axes, kind)
+        if n == 1:
+            return 0.0, 0.0
+        if kind == "all-gather":
+            return alpha, beta * (n - 1) / n
+        return alpha, beta * (n - 1) / (2.0 * n)
 
     def reshard_steps(
         self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec
@@ -154,14 +187,28 @@ def _reshard_steps(
     src: ShardingSpec,
     dst: ShardingSpec,
 ) -> tuple[tuple[str, tuple[int, ...], float, float], ...]:
+    """The steps of ``_step_plan`` priced for a tensor of ``shape``: (kind, axes, bytes each
+    device sees, seconds)."""
+    full = math.prod(shape) * itemsize
+    steps = []
+    for kind, axes, shards in _step_plan(model, src, dst):
+        nbytes = full / shards
+        cost = model.all_to_all if kind == "all-to-all" else model.all_gather
+        steps.append((kind, axes, nbytes, cost(nbytes, axes)))
+    return tuple(steps)
+
+
+def _step_plan(
+    model: CostModel, src: ShardingSpec, dst: ShardingSpec
+) -> tuple[tuple[str, tuple[int, ...], int], ...]:
     """Per mesh axis: kept where both specs split the same dim at the same place; moved by an
     all-to-all when it splits another dim in ``dst``; gathered when ``dst`` replicates it.
     Axes only ``dst`` splits are free (each device slices its own part). All-to-alls run
-    first on the source layout, then gathers, each priced at the per-device size it sees."""
+    first on the source layout, then gathers, each on the per-device part it sees: (kind,
+    axes, the shards the tensor is in at that step) per step, for any shape."""
     if src == dst:
         return ()
     mesh_shape = model.mesh.shape
-    full = math.prod(shape) * itemsize
     src_at, dst_at = src.placement, dst.placement
     moved, gathered = [], []
     for axis, (dim, pos) in src_at.items():
@@ -173,17 +220,15 @@ def _reshard_steps(
         elif target[1] != pos or src.dims[dim][:pos] != dst.dims[dim][:pos]:
             # Same dim but a different nesting: the blocks differ, so regather that axis.
             gathered.append(axis)
-    steps: list[tuple[str, tuple[int, ...], float, float]] = []
+    steps: list[tuple[str, tuple[int, ...], int]] = []
     shards = src.num_shards(mesh_shape)
     if moved:
-        nbytes = full / shards
-        steps.append(("all-to-all", tuple(moved), nbytes, model.all_to_all(nbytes, moved)))
+        steps.append(("all-to-all", tuple(moved), shards))
     # XLA gathers one tensor dimension at a time: one all-gather per source dim, each seeing
     # the buffer as large as the gathers before it left it.
     remaining = shards
     for dim in sorted({src_at[a][0] for a in gathered}):
         axes = tuple(a for a in gathered if src_at[a][0] == dim)
         remaining //= math.prod(mesh_shape[a] for a in axes)
-        nbytes = full / remaining
-        steps.append(("all-gather", axes, nbytes, model.all_gather(nbytes, axes)))
+        steps.append(("all-gather", axes, remaining))
     return tuple(steps)
