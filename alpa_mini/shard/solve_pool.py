@@ -228,6 +228,12 @@ def _serve(recv_fd: int, send_fd: int) -> None:
     recv_end = Connection(recv_fd, writable=False)
     send_end = Connection(send_fd, readable=False)
     send_end.send("ready")
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the whole process group
+        _answer(recv_end, send_end)
+
+
+def _answer(recv_end: Connection, send_end: Connection) -> None:
+    """Solve each job received and send back ("ok", solution) or ("error", exception)."""
     while True:
         try:
             job = recv_end.recv()
