@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -232,52 +233,39 @@ def prepare_step(
     this count's trace before planning (which may then find that nothing fits). Planning
     solves its ILPs in child processes (``solve_session``), started here so that they are
     ready by the time tracing is done."""
-    if method.plan is not None:
-        return _prepare_step(step_fun, avals, roles, method, cluster, progress, earlier, on_traced)
-    with solve_session():
-        return _prepare_step(step_fun, avals, roles, method, cluster, progress, earlier, on_traced)
-
-
-def _prepare_step(
-    step_fun: Callable[..., Any],
-    avals: list[Any],
-    roles: list[str],
-    method: PipeshardParallel,
-    cluster: ClusterSpec,
-    progress: Callable[[str], None] | None,
-    earlier: TracedStep | None,
-    on_traced: Callable[[TracedStep], None] | None,
-) -> PreparedStep:
-    if method.num_micro_batches is None:
-        if method.plan is None:
-            return _searched(step_fun, avals, roles, method, cluster, progress)
-        method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
-    t0 = time.perf_counter()
-    traced = trace_with_grads(
-        step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
-    )
-    if on_traced is not None:
-        on_traced(traced)
-    step, out_shape, capture, forward = _traced_parts(traced)
-    plan = method.plan
-    splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
-    try:
-        step, capture, forward, pieces = apply_scan_splits(step, capture, forward, splits, roles)
-    except ValueError as err:  # only a saved plan's splits can be wrong
-        raise ConfigError(f"plan.{err}") from None
-    if plan is None:
-        trace_seconds = time.perf_counter() - t0
-        plan = _plan(forward, capture, avals, roles, method, cluster, progress)
-        stats = dataclasses.replace(
-            plan.planning,
-            trace_seconds=trace_seconds,
-            total_seconds=time.perf_counter() - t0,
+    with solve_session() if method.plan is None else contextlib.nullcontext():
+        if method.num_micro_batches is None:
+            if method.plan is None:
+                return _searched(step_fun, avals, roles, method, cluster, progress)
+            method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
+        t0 = time.perf_counter()
+        traced = trace_with_grads(
+            step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
         )
-        plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
-    else:
-        check_plan(plan, cluster, forward, capture, method.num_micro_batches)
-    out_tree = jax.tree.structure(out_shape)
-    return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
+        if on_traced is not None:
+            on_traced(traced)
+        step, out_shape, capture, forward = _traced_parts(traced)
+        plan = method.plan
+        splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
+        try:
+            step, capture, forward, pieces = apply_scan_splits(
+                step, capture, forward, splits, roles
+            )
+        except ValueError as err:  # only a saved plan's splits can be wrong
+            raise ConfigError(f"plan.{err}") from None
+        if plan is None:
+            trace_seconds = time.perf_counter() - t0
+            plan = _plan(forward, capture, avals, roles, method, cluster, progress)
+            stats = dataclasses.replace(
+                plan.planning,
+                trace_seconds=trace_seconds,
+                total_seconds=time.perf_counter() - t0,
+            )
+            plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
+        else:
+            check_plan(plan, cluster, forward, capture, method.num_micro_batches)
+        out_tree = jax.tree.structure(out_shape)
+        return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
 
 
 def _searched(
