@@ -33,6 +33,9 @@ class CostModel:
     cluster: ClusterSpec
     mesh: LogicalMesh
     _reshard_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: Operator strategies priced on this mesh, by what they depend on (``problem``'s key):
+    #: the layers planned on one mesh repeat most operators.
+    op_strategies: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ compute
     def compute(

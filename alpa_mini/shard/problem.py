@@ -89,9 +89,7 @@ def build_sharding_problem(
     alias_of_output = {o: i for i, o in aliases}
     twins = symmetric_axis_pairs(cost)
     strategies = _input_strategies(graph, cost, list(input_filters or [None] * n_in), twins)
-    # Kept on the cost model: the other layers planned on this mesh repeat most operators.
-    seen: dict[Any, tuple[Strategy, ...]] = cost._reshard_cache.setdefault("op strategies", {})
-    strategies += [_op_strategies(node, graph, cost, seen) for node in graph.nodes]
+    strategies += [_op_strategies(node, graph, cost, cost.op_strategies) for node in graph.nodes]
     filters = list(output_filters or [None] * n_out)
     strategies += _output_strategies(graph, cost, filters, alias_of_output, twins)
     edges, edge_info = _edges(graph, cost, strategies, alias_of_output)
