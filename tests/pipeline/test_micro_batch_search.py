@@ -60,9 +60,44 @@ def test_bisection_finds_the_exhaustive_best_in_about_two_log2_k_plans():
         want = min(range(k), key=curve.__getitem__)
         assert best == candidates[want] and result == f"plan{best}"
         bound = 2 * math.ceil(math.log2(k)) + 1 if k > 1 else 1
-        assert len(calls) == len(set(calls)) <= bound
+        assert len(calls) == len(set(calls)) <= min(bound, _plain_bisection_plans(curve))
         assert [b for b, _ in tried] == calls
         assert all((t is None) == math.isinf(curve[b.bit_length() - 1]) for b, t in tried)
+
+
+def _plain_bisection_plans(curve: list[float]) -> int:
+    """How many counts a bisection that always plans ``mid + 1`` to compare plans."""
+    seen: set[int] = set()
+    lo, hi = 0, len(curve) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        seen.add(mid)
+        if math.isinf(curve[mid]):
+            lo = mid + 1
+            continue
+        seen.add(mid + 1)
+        lo, hi = (mid + 1, hi) if curve[mid + 1] < curve[mid] else (lo, mid)
+    return len(seen | {lo})
+
+
+def test_a_faster_count_already_planned_saves_planning_the_neighbour():
+    """GPT-39B's curve on 8x8 A100s (seconds per iteration, from the defaults table; no fit
+    below 32, 30 s at 1024): after 32 and 64, the next middle 256 is slower than 64, so the
+    best lies below 256 without planning 512."""
+    curve = [math.inf] * 5 + [70.38, 25.32, 24.85, 26.08, 28.21, 30.0]
+    calls: list[int] = []
+
+    def plan(b):
+        calls.append(b)
+        t = curve[b.bit_length() - 1]
+        if math.isinf(t):
+            raise MemoryBudgetError(f"B={b} does not fit", None)
+        return f"plan{b}", t
+
+    _, best, _ = search_micro_batches([2**i for i in range(11)], plan)
+    assert best == 128
+    assert calls == [32, 64, 256, 128]
+    assert _plain_bisection_plans(curve) == 5
 
 
 def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
