@@ -3,7 +3,12 @@
 This package imports only numpy, pulp and highspy: never jax, ray or the rest of alpa_mini.
 """
 
-from .errors import InfeasibleError, SolverInputError, SolverTimeLimitError
+from .errors import (
+    FractionalRelaxation,
+    InfeasibleError,
+    SolverInputError,
+    SolverTimeLimitError,
+)
 from .layer_clustering import LayerClustering, LayerCountSearch, cluster_layers, search_num_layers
 from .sharding.problem import Evaluation, ShardingProblem, evaluate, load_iopddl, save_iopddl
 from .sharding.solve import ShardingSolution, solve_sharding
@@ -11,6 +16,7 @@ from .stages import Stage, StageProblem, StageSolution, solve_stages
 
 __all__ = [
     "Evaluation",
+    "FractionalRelaxation",
     "InfeasibleError",
     "LayerClustering",
     "LayerCountSearch",

@@ -285,8 +285,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         )
         console.print(f"micro-batch counts planned: {tried}")
     console.print(
-        f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}, "
-        f"cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"
+        f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}"
+        + (f" ({p.ilps_bounded} left at their LP bound)" if p.ilps_bounded else "")
+        + f", cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"
     )
     if args.json is not None:
         args.json.write_text(planned.to_json())

@@ -22,6 +22,8 @@ class PlanningStats:
     stage DP (0 for ShardParallel); ``total_seconds``: wall time of the whole planning call.
     ``ilps_unproven``: free stage MIPs stopped at the time limit before proving optimality;
     ``restricted_wins``: how many of those a restricted (ZeRO-3 or Megatron) plan replaced.
+    ``ilps_bounded``: layer MIPs whose LP relaxation was fractional and that the stage DP
+    never needed exactly, so they were never branched on (their cells hold the LP bound).
     ``micro_batches_tried``: with a searched micro-batch count, each count planned and its
     predicted iteration seconds (None: nothing fit), in the order planned; ``total_seconds``
     then covers the whole search, the other fields the chosen count's planning."""
@@ -34,6 +36,7 @@ class PlanningStats:
     ilps_solved: int = 0
     ilps_unproven: int = 0
     restricted_wins: int = 0
+    ilps_bounded: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
     micro_batches_tried: tuple[tuple[int, float | None], ...] = ()

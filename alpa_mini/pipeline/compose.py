@@ -66,10 +66,13 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
     Memory: while layer k runs inside the stage, every other layer j holds at most H_j (its
     parameters, their gradients and its residuals; ``_held_bytes``), and layer k itself at
     most its own peak. So the stage peaks at sum(H) + max_k(peak_k - H_k): the transients
-    count once, not once per layer as a plain sum of per-layer peaks would."""
+    count once, not once per layer as a plain sum of per-layer peaks would. A layer whose
+    cost is only a bound (``StageCost.bound``) makes the row a bound too: with lower bounds
+    of H_k and peak_k, sum(H) + peak_k - H_k = peak_k + (the others' H) is still one."""
     out: list[StageCost | None] = []
     lat = held = res = state = 0.0
     transient = -math.inf
+    bound = False
     for j in range(i, len(table.costs)):
         p = table.costs[j]
         if p is None:
@@ -79,15 +82,18 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
         h = table.held[j]
         held, transient = held + h, max(transient, p.peak_memory - h)
         res, state = res + p.residual_bytes, state + p.state_bytes
-        out.append(StageCost(lat, held + transient, res, state))
+        bound = bound or p.bound
+        out.append(StageCost(lat, held + transient, res, state, bound=bound))
     return out
 
 
 def _held_bytes(sc: StageCost) -> float:
     """Bytes per device one layer holds while the other layers of its stage run: its
     parameters and their gradients in the layouts its ILP chose, and its residuals. Without
-    its plan, its whole peak (the plain sum, as before)."""
+    its plan, its whole peak (the plain sum, as before), or a bound's own lower bound."""
     plan = sc.plan
+    if sc.held_bytes is not None:
+        return sc.held_bytes
     if plan is None:
         return sc.peak_memory
     params = sum(

@@ -32,7 +32,7 @@ from ..shard.problem import plan_sharding
 from ..shard.solve_pool import active_pool, session_pool, usable_cpus
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
-from ..solvers import solve_sharding
+from ..solvers import FractionalRelaxation, solve_sharding
 from .layers import (
     layer_hash,
 )
@@ -59,6 +59,12 @@ class StageCost:
     # (equation, result, spec): layouts the ILP chose for values inside the stage (individual
     # mode: each layer's results that later layers of the stage read).
     inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()
+    # A lower bound, not a plan: the ILP's LP relaxation was fractional and branch-and-bound
+    # was deferred (``_StageModel.defer_fractional``). ``latency`` is the relaxation's
+    # optimum; with no layouts known, ``peak_memory`` and ``held_bytes`` (what the layer holds
+    # while others run; compose._held_bytes) count parameters as sharded over every device.
+    bound: bool = False
+    held_bytes: float | None = None
 
     def memory(self, in_flight: int) -> float:
         return self.peak_memory + self.state_bytes + max(in_flight - 1, 0) * self.residual_bytes
@@ -68,12 +74,15 @@ class StageCost:
 class PlanningCounters:
     """What planning cost so far: ILPs really solved, stage costs needed (the DP table's cells
     for auto stages, one per stage otherwise), lookups the structural-hash cache answered,
-    free stage MIPs that stopped unproven and how often a restricted plan then won, and
-    seconds building op graphs, in ILPs (summed over threads) and in the stage DP."""
+    free stage MIPs that stopped unproven and how often a restricted plan then won, MIPs left
+    at their LP bound and how many of those were later solved exactly, and seconds building
+    op graphs, in ILPs (summed over threads) and in the stage DP."""
 
     ilps_solved: int = 0
     ilps_unproven: int = 0
     restricted_wins: int = 0
+    ilps_deferred: int = 0
+    ilps_settled: int = 0
     cost_entries: int = 0
     cache_hits: int = 0
     graph_seconds: float = 0.0
@@ -114,6 +123,10 @@ class _StageModel:
         self._presets: dict[Any, Future] = {}
         self._lock = threading.Lock()
         self.stats = PlanningCounters()
+        # While set, an ILP whose LP relaxation is fractional is not branched on: its cost is
+        # cached as the relaxation's bound (``StageCost.bound``) until ``settle`` solves it.
+        # The stage DP sets it: a DP over bounds that picks only exact cells is optimal.
+        self.defer_fractional = False
 
     def _io(self, start: int, end: int) -> tuple[Any, ...]:
         hit = self._slices.get((start, end))
@@ -211,6 +224,25 @@ class _StageModel:
             self.cache[key] = result
             self._fresh.add(key)
 
+    def settle(self, requests: Sequence[tuple[int, int, tuple[int, int], StageConfig]]) -> None:
+        """Solve exactly the ILPs behind ``requests`` whose cached cost is only a bound."""
+        stale = []
+        for start, end, submesh, (logical, layout) in requests:
+            key = (*self._io(start, end)[5], submesh, logical, layout)
+            hit = self.cache.get(key)
+            if hit is not None and hit.bound:
+                del self.cache[key]
+                self._fresh.discard(key)
+                stale.append((start, end, submesh, StageConfig(logical, layout)))
+        deferring, self.defer_fractional = self.defer_fractional, False
+        try:
+            self.prefetch(stale)
+            for start, end, submesh, (logical, layout) in stale:
+                self.cost(start, end, submesh, logical, layout)
+        finally:
+            self.defer_fractional = deferring
+        self.stats.ilps_settled += len(stale)
+
     def cost_model(self, submesh: tuple[int, int], logical: tuple[int, ...]) -> CostModel:
         """One cost model per mesh, so its resharding cache serves every layer planned there."""
         key = (submesh, logical)
@@ -291,11 +323,14 @@ class _StageModel:
         """The stage's cost on (submesh, logical mesh, layout), or None when nothing fits."""
         job = self._job(io, submesh, logical, layout)
         try:
-            plan = self._solve_once(job, job.filters, None if job.filters is None else job.opt)
+            preset = None if job.filters is None else job.opt
+            plan = self._solve_once(job, job.filters, preset, self.defer_fractional)
         except ValueError:
             if layout == "auto":
                 raise
             return None  # some input has no layout under this preset (e.g. batch 6 on 4)
+        if isinstance(plan, FractionalRelaxation):
+            return self._bound_cost(io, job, plan.lower_bound)
         unproven = plan == "time" or (
             isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
         )
@@ -360,12 +395,16 @@ class _StageModel:
             residual_bytes=res_total / n_dev,
         )
 
-    def _solve_once(self, job: _StageJob, filters: list[Any] | None, preset: Any) -> Any:
-        """The plan, or why there is none: "memory" or "time". ``preset`` (the pinning
-        method) names a restricted ILP, which is solved once per stage model."""
+    def _solve_once(
+        self, job: _StageJob, filters: list[Any] | None, preset: Any, defer: bool = False
+    ) -> Any:
+        """The plan, or why there is none: "memory" or "time", or (``defer``) the LP bound
+        that stood in for a fractional MIP. ``preset`` (the pinning method) names a
+        restricted ILP, which is solved once per stage model."""
         if preset is None:
-            return self._run(job, filters)
-        key = (job.key, job.submesh, job.logical, preset.layout, preset.batch_axis)
+            return self._run(job, filters, defer)
+        # With ``defer`` in the key, a bound never answers an exact request.
+        key = (job.key, job.submesh, job.logical, preset.layout, preset.batch_axis, defer)
         with self._lock:
             future = self._presets.get(key)
             mine = future is None
@@ -373,12 +412,14 @@ class _StageModel:
                 future = self._presets[key] = Future()
         if mine:
             try:
-                future.set_result(self._run(job, filters))
+                future.set_result(self._run(job, filters, defer))
             except BaseException as err:  # ValueError: no such layout; waiters see it too
                 future.set_exception(err)
         return future.result()
 
-    def _run(self, job: _StageJob, filters: list[Any] | None) -> ShardingPlan | str:
+    def _run(
+        self, job: _StageJob, filters: list[Any] | None, defer: bool
+    ) -> ShardingPlan | str | FractionalRelaxation:
         with self._lock:
             self.stats.ilps_solved += 1
         t0 = time.perf_counter()
@@ -394,9 +435,14 @@ class _StageModel:
                 backend=job.opt.backend,
                 time_limit=job.opt.time_limit,
                 solve=solve_sharding if pool is None else pool.solve,
+                defer_fractional=defer,
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"
+        except FractionalRelaxation as err:
+            with self._lock:
+                self.stats.ilps_deferred += 1
+            return err
         finally:
             with self._lock:
                 self.stats.ilp_seconds += time.perf_counter() - t0
@@ -422,6 +468,27 @@ class _StageModel:
             ):
                 plan = other
         return plan
+
+    def _bound_cost(self, io: tuple[Any, ...], job: _StageJob, seconds: float) -> StageCost:
+        """A lower bound on the stage's cost from its ILP's LP relaxation: no gradient sync
+        or resharding priced (no layouts known); memory as if every parameter (and its
+        gradient) were sharded over all the submesh's devices, which no layout beats."""
+        sl, params = io[0], self._graph(io)[2] / (job.submesh[0] * job.submesh[1])
+        launches = (
+            job.cost.program_overhead(_kernels(job.graph), 0) if self.cluster.profile else 0.0
+        )
+        return StageCost(
+            latency=seconds + launches,
+            # Parameters and gradients are all live when the backward ends; the residuals
+            # when it starts.
+            peak_memory=max(2 * params, job.residual_bytes),
+            residual_bytes=job.residual_bytes,
+            state_bytes=job.state,
+            in_specs=(None,) * len(sl.invars),
+            out_specs=(None,) * len(sl.outvars),
+            bound=True,
+            held_bytes=2 * params + job.residual_bytes,
+        )
 
     def _stage_cost(self, io: tuple[Any, ...], job: _StageJob, plan: ShardingPlan) -> StageCost:
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io

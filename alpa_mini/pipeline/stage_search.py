@@ -112,6 +112,7 @@ def plan_pipeline(
             ilps_solved=c.ilps_solved,
             ilps_unproven=c.ilps_unproven,
             restricted_wins=c.restricted_wins,
+            ilps_bounded=c.ilps_deferred - c.ilps_settled,
             cost_entries=c.cost_entries,
             cache_hits=c.cache_hits,
         ),
@@ -126,14 +127,14 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
     configs = [stage_configs(s, so) for s in shapes]
     budget = _budget(method, cluster)
-    entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
     names = _config_names(configs)
     C, B = max(len(c) for c in configs), method.num_micro_batches
-    problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
+    # Composed stages may stand on bounds of fractional layer MIPs until the DP needs them.
+    model.defer_fractional = so.profiling == "individual"
     try:
-        t_dp = time.perf_counter()
-        solution = solve_stages(problem)
-        model.stats.dp_seconds = time.perf_counter() - t_dp
+        entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
+        problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
+        problem, solution = _settled_dp(model, problem, entries, tables, starts, ends, configs)
     except InfeasibleError as err:
         if not LEAST_MEMORY.get():
             raise MemoryBudgetError(
@@ -157,6 +158,8 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
             f"{least}",
             need,
         ) from None
+    finally:
+        model.defer_fractional = False
     subs = [st.submesh_shape for st in solution.stages]
     chosen = _Chosen(
         ranges=[(st.layer_start, st.layer_end) for st in solution.stages],
@@ -181,6 +184,39 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         if so.refine:
             _prefetch_refinement(model, chosen, tables, starts, ends, configs)
     return chosen
+
+
+def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, configs):
+    """The stage DP's problem and best slicing, with every layer of the chosen stages solved
+    exactly. A cell whose layer MIP was deferred holds its LP bound (``StageCost.bound``),
+    which can only flatter it; while the DP's best slicing uses such cells, they are solved
+    exactly and the DP re-run. A slicing of exact cells that is best against bounds is best
+    outright, so the MIPs it never needs are never branched on. (Cells it never used keep
+    their bounds in the returned problem's table.)"""
+    budget = _budget(model.method, model.cluster)
+    while True:
+        t_dp = time.perf_counter()
+        solution = solve_stages(problem)
+        model.stats.dp_seconds += time.perf_counter() - t_dp
+        used = {(st.submesh_index, st.config_index): st.submesh_shape for st in solution.stages}
+        stale = [
+            (starts[k], ends[k], st.submesh_shape, configs[st.submesh_index][st.config_index])
+            for st in solution.stages
+            if tables
+            for k in range(st.layer_start, st.layer_end + 1)
+            if (c := tables[(st.submesh_index, st.config_index)].costs[k]) is not None and c.bound
+        ]
+        if not stale:
+            return problem, solution
+        model.settle(stale)
+        cost, succ = problem.cost.copy(), problem.max_succ.copy()
+        for key in [k for k in entries if k[2:] in used]:
+            del entries[key]
+        for (si, ci), sub in used.items():
+            cost[:, :, si, ci], succ[:, :, si, ci] = np.inf, 0
+            _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
+        _fill_cells(cost, succ, [kv for kv in entries.items() if kv[0][2:] in used], budget)
+        problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
 
 
 def _prefetch_refinement(model, chosen: _Chosen, tables, starts, ends, configs) -> None:
@@ -334,14 +370,10 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
             continue
         for ci, (logical, layout) in enumerate(configs[si]):
             if individual:
-                table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical, layout)
+                _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
                 done += L
                 if progress:
                     progress(f"stage costs {done}/{total}")
-                for i in range(L):
-                    for j, sc in enumerate(_composed_row(table, i), start=i):
-                        if sc is not None:
-                            entries[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
                 continue
             for i in range(L):
                 for j in range(i, L):
@@ -355,12 +387,29 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     return entries, tables
 
 
+def _config_entries(model, starts, ends, sub, si: int, ci: int, configs, entries, tables) -> None:
+    """Compose the layer table of submesh ``si``'s config ``ci`` and its cost entries."""
+    logical, layout = configs[si][ci]
+    table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical, layout)
+    for i in range(len(starts)):
+        for j, sc in enumerate(_composed_row(table, i), start=i):
+            if sc is not None:
+                entries[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
+
+
 def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
     """The DP's table: latency where the stage fits ``budget`` with one micro-batch in
     flight, and how many later stages' worth of in-flight micro-batches it can hold."""
     cost = np.full((L, L, S, C), np.inf)
     max_succ = np.zeros((L, L, S, C), dtype=np.int64)
-    for (i, j, si, ci), sc in entries.items():
+    _fill_cells(cost, max_succ, entries.items(), budget)
+    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names)
+
+
+def _fill_cells(cost: np.ndarray, max_succ: np.ndarray, items, budget: float) -> None:
+    """Write each entry's latency and ``max_succ`` into the DP's arrays (where it fits)."""
+    L = cost.shape[0]
+    for (i, j, si, ci), sc in items:
         if sc.memory(1) > budget:
             continue
         cost[i, j, si, ci] = sc.latency
@@ -368,7 +417,6 @@ def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
         while k < L and sc.memory(k + 1) <= budget:
             k += 1
         max_succ[i, j, si, ci] = k - 1
-    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names)
 
 
 def _least_pipeline_memory(

@@ -332,6 +332,7 @@ def plan_sharding(
     time_limit: float | None = 60.0,
     tie_repeats: bool = False,
     solve: Callable[..., ShardingSolution] = solve_sharding,
+    defer_fractional: bool = False,
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
@@ -339,6 +340,8 @@ def plan_sharding(
     (``solvers.sharding.tie``), solve with each group of alike nodes tied to one choice, as a
     scanned stack is planned; the full ILP is solved instead when the tied one has no plan.
     ``solve``: ``solve_sharding`` or a stand-in with its signature (``SolvePool.solve``).
+    ``defer_fractional``: raise the solver's ``FractionalRelaxation`` (its ``lower_bound`` in
+    seconds) where the LP relaxation does not settle the ILP, instead of branching.
     """
     t0 = time.perf_counter()
     inst = build_sharding_problem(
@@ -353,7 +356,7 @@ def plan_sharding(
     build_time = time.perf_counter() - t0
     try:
         sol = _solve_tied(inst.problem, backend, time_limit, solve) if tie_repeats else None
-        sol = sol or _solve(inst.problem, backend, time_limit, solve=solve)
+        sol = sol or _solve(inst.problem, backend, time_limit, solve=solve, defer=defer_fractional)
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(
             f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
@@ -379,6 +382,7 @@ def _solve(
     time_limit: float | None,
     heuristic: bool = True,
     solve: Callable[..., ShardingSolution] = solve_sharding,
+    defer: bool = False,
 ) -> ShardingSolution:
     # Most planner graphs simplify to a few hundred nodes that HiGHS solves directly; a short
     # local-search incumbent only pays on big cores (3-D meshes), where HiGHS can otherwise
@@ -394,6 +398,7 @@ def _solve(
         full_mip_max_columns=FULL_MIP_MAX_COLUMNS,
         # Planner MIPs nearly always have integral LP relaxations: settle them by LP.
         lp_first=True,
+        defer_fractional=defer,
     )
 
 

@@ -78,7 +78,7 @@ def _new_highs() -> object:
 class MipResult:
     """What a backend returned, in the model's own (scaled) units."""
 
-    status: str  # "optimal" | "feasible" | "infeasible" | "no_solution"
+    status: str  # "optimal" | "feasible" | "infeasible" | "no_solution" | "fractional"
     x: np.ndarray | None
     objective: float  # scaled objective of x (inf when there is none)
     bound: float  # proven lower bound, scaled (-inf when unknown)
@@ -122,16 +122,21 @@ def run_mip(
     warm_start: np.ndarray | None = None,
     threads: int = 1,
     lp_first: bool = False,
+    defer_fractional: bool = False,
 ) -> MipResult:
     """Solve ``model``. ``lp_first`` (HiGHS only) first tries to prove the LP relaxation's
     optimum integral (see ``_lp_dive``): 5-10x faster on the planner's layer MIPs, whose
     relaxations are nearly always integral, but pure overhead on MIPs whose relaxations are
-    not (the contest instances: +1 s on B, +16 s on A)."""
+    not (the contest instances: +1 s on B, +16 s on A). ``defer_fractional`` (with
+    ``lp_first``) stops where the dive fails: status "fractional", ``bound`` the root LP's
+    optimum, no branch-and-bound."""
     backend = resolve_backend(backend)
     if time_limit is not None and time_limit <= 0:
         return MipResult("no_solution", None, math.inf, -math.inf, 0.0, backend, "no time left")
     if backend == "highs":
-        return _run_highs(model, time_limit, mip_rel_gap, warm_start, threads, lp_first)
+        return _run_highs(
+            model, time_limit, mip_rel_gap, warm_start, threads, lp_first, defer_fractional
+        )
     return _run_cbc(model, time_limit, mip_rel_gap, warm_start, threads)
 
 
@@ -178,8 +183,11 @@ LP_MAX_DIVES = 8
 LP_DIVE_TRIES = 2
 
 
-def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndarray | None:
-    """An optimal MIP solution found by LP alone, or None.
+def _lp_dive(
+    model: MipModel, time_limit: float | None, threads: int
+) -> tuple[np.ndarray | None, float]:
+    """An optimal MIP solution found by LP alone (or None), and the root LP's optimum, a
+    lower bound on the MIP's (-inf where the LP was not solved to optimality).
 
     Sharding MIPs mostly have "integral LPs": the relaxation's optimal vertex picks one
     strategy per node, so it is the MIP's optimum (the LP bound equals its cost). Dual simplex
@@ -218,14 +226,14 @@ def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndar
 
     root = solve()
     if root is None:
-        return None
+        return None, -math.inf
     tol = LP_BOUND_RTOL * max(abs(root), 1.0)
     for _ in range(LP_MAX_DIVES + 1):
         x = np.asarray(h.getSolution().col_value)
         frac = np.abs(x[: offs[-1]] - np.round(x[: offs[-1]])) > LP_INTEGRAL_TOL
         if not frac.any():
             x[: offs[-1]] = np.round(x[: offs[-1]])
-            return x
+            return x, root
         v = int(np.searchsorted(offs, np.flatnonzero(frac)[0], side="right")) - 1
         seg = np.arange(offs[v], offs[v + 1])
         # Try the node's fractional strategies, largest share first: with mirror-image
@@ -239,8 +247,8 @@ def _lp_dive(model: MipModel, time_limit: float | None, threads: int) -> np.ndar
                 break
             bound(others, model.col_upper[others])
         else:
-            return None  # no choice keeps the bound; branch-and-bound decides
-    return None
+            return None, root  # no choice keeps the bound; branch-and-bound decides
+    return None, root
 
 
 def _run_highs(
@@ -250,17 +258,21 @@ def _run_highs(
     warm_start: np.ndarray | None,
     threads: int,
     lp_first: bool,
+    defer_fractional: bool = False,
 ) -> MipResult:
     import highspy
 
     t0 = time.perf_counter()
     if lp_first and model.integer.any():
         # At most half the time: a slow relaxation must leave the MIP room for a solution.
-        x = _lp_dive(model, None if time_limit is None else time_limit / 2, threads)
+        x, root = _lp_dive(model, None if time_limit is None else time_limit / 2, threads)
+        seconds = time.perf_counter() - t0
         if x is not None:
             objective = float(model.c @ x)
-            seconds = time.perf_counter() - t0
             return MipResult("optimal", x, objective, objective, seconds, "highs", "Optimal (LP)")
+        if defer_fractional and math.isfinite(root):
+            detail = "LP relaxation fractional; branch-and-bound deferred"
+            return MipResult("fractional", None, math.inf, root, seconds, "highs", detail)
         if time_limit is not None:
             time_limit = max(time_limit - (time.perf_counter() - t0), 1e-3)
     h = _highs(threads, time_limit)

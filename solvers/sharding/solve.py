@@ -18,7 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InfeasibleError, SolverInputError, SolverTimeLimitError
+from ..errors import (
+    FractionalRelaxation,
+    InfeasibleError,
+    SolverInputError,
+    SolverTimeLimitError,
+)
 from .backends import resolve_backend, run_mip
 from .lns import improve_by_lns
 from .local_search import local_search, min_peak_assignment
@@ -133,6 +138,7 @@ def solve_sharding(
     threads: int = 1,
     seed: int = 0,
     lp_first: bool = False,
+    defer_fractional: bool = False,
 ) -> ShardingSolution:
     """Solve a sharding problem to optimality, or as well as ``time_limit`` (seconds) allows.
 
@@ -142,6 +148,9 @@ def solve_sharding(
     columns are improved region by region instead of solved whole.
     ``lp_first`` tries to settle the whole MIP by its LP relaxation first (see
     ``mip_backends.run_mip``); the planner's layer MIPs gain 5-10x from it.
+    ``defer_fractional`` (with ``lp_first``, HiGHS) raises ``FractionalRelaxation`` with the
+    relaxation's bound where the LP does not settle the MIP, instead of branching: a caller
+    that may never need this MIP's exact optimum (the stage DP) solves it only if it must.
     ``on_infeasible="raise"`` raises ``InfeasibleError`` naming the smallest achievable peak
     usage; ``"return"`` returns a solution with status
     ``infeasible`` holding the lowest-peak assignment found.
@@ -194,8 +203,14 @@ def solve_sharding(
             warm_start=warm,
             threads=threads,
             lp_first=lp_first,
+            defer_fractional=defer_fractional,
         )
         run.timings["mip"] = mip.seconds
+        if mip.status == "fractional":
+            bound = mip.bound * model.cost_scale + model.offset
+            raise FractionalRelaxation(
+                f"the LP relaxation is fractional (bound {bound:.6g}); MIP not solved", bound
+            )
     # 4. Pick the best assignment and report honestly.
     picked = run.pick(model, mip)
     return picked if isinstance(picked, ShardingSolution) else run.solution(*picked)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from alpa_mini.solvers.brute_force.sharding import brute_force_min_peak, brute_force_sharding
-from alpa_mini.solvers.errors import InfeasibleError, SolverInputError
+from alpa_mini.solvers.errors import FractionalRelaxation, InfeasibleError, SolverInputError
 from alpa_mini.solvers.sharding.mip_model import build_mip
 from alpa_mini.solvers.sharding.problem import (
     ShardingProblem,
@@ -370,6 +371,38 @@ def test_mip_takes_over_when_the_lp_bound_is_not_integral() -> None:
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(1.0)
     assert sol.objective == pytest.approx(_optimum(problem))
+
+
+def test_a_deferred_fractional_mip_reports_its_lp_bound() -> None:
+    """The odd ring again, asked not to branch: the LP's 0 comes back as a bound (the optimum
+    is 1), and the error survives pickling (solver processes send it back whole)."""
+    with pytest.raises(FractionalRelaxation) as caught:
+        solve_sharding(_cycle(5), simplify_graph=False, lp_first=True, defer_fractional=True)
+    assert caught.value.lower_bound == pytest.approx(0.0, abs=1e-9)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert again.lower_bound == caught.value.lower_bound and str(again) == str(caught.value)
+    # An even ring's relaxation settles by LP: nothing is deferred.
+    sol = solve_sharding(_cycle(6), simplify_graph=False, lp_first=True, defer_fractional=True)
+    assert sol.status == "optimal" and sol.objective == pytest.approx(0.0, abs=1e-12)
+
+
+@FAST
+@given(problems())
+def test_deferring_returns_the_optimum_or_a_bound_below_it(problem: ShardingProblem) -> None:
+    """With ``defer_fractional`` every answer is brute force's optimum, or a bound at or
+    below it (never above: the stage DP relies on bounds only flattering a cell)."""
+    best = _optimum(problem)
+    if best is None:
+        with pytest.raises((InfeasibleError, FractionalRelaxation)):
+            solve_sharding(problem, lp_first=True, defer_fractional=True)
+        return
+    try:
+        sol = solve_sharding(problem, lp_first=True, defer_fractional=True)
+    except FractionalRelaxation as err:
+        assert err.lower_bound <= best + 1e-9 * max(1.0, abs(best))
+        return
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
 def test_unique_rows_equals_numpy_unique_on_edge_matrices():

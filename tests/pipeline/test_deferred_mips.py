@@ -1,0 +1,59 @@
+"""Layer MIPs left at their LP bound until the stage DP needs them (``defer_fractional``):
+the plan is the one every MIP solved exactly gives, and only the chosen stages' layers are
+ever solved exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import alpa_mini
+from alpa_mini import ClusterSpec, PipeshardParallel
+from alpa_mini.models import make_train_step, sgd
+from alpa_mini.pipeline import stage_cost
+from alpa_mini.solvers import FractionalRelaxation
+from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+
+def _plan(monkeypatch, bound_share: float | None):
+    """The marked MLP's plan on cpu-2x4; with ``bound_share``, every deferrable layer ILP
+    reports that share of its true optimum as a fractional relaxation's bound (a valid, and
+    deliberately loose, bound)."""
+    real = stage_cost.plan_sharding
+    asked: list[float] = []
+
+    def fractional(*args, defer_fractional=False, **kwargs):
+        plan = real(*args, **kwargs)
+        if defer_fractional and bound_share is not None:
+            asked.append(plan.predicted_time)
+            raise FractionalRelaxation(
+                "every layer MIP fractional", bound_share * plan.predicted_time
+            )
+        return plan
+
+    monkeypatch.setattr(stage_cost, "plan_sharding", fractional)
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
+    params, data = marked_mlp_args(4, 32, 64)
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=4)
+    return alpa_mini.plan(step, params, opt.init(params), data, method=method), asked
+
+
+def _stages(plan) -> list:
+    return json.loads(plan.to_json())["stages"]
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 0.999])
+def test_bounds_give_the_exact_plan_solving_only_what_it_uses(monkeypatch, devices8, share):
+    exact, asked = _plan(monkeypatch, None)
+    assert not asked and exact.planning.ilps_bounded == 0
+    deferred, asked = _plan(monkeypatch, share)
+    assert asked  # every layer ILP was deferred once...
+    assert _stages(deferred) == _stages(exact)
+    assert deferred.predicted_time == exact.predicted_time
+    # ...and only the chosen stages' layers (one ILP per distinct layer and config) were
+    # then solved exactly: the other cells stayed at their bounds.
+    assert 0 < deferred.planning.ilps_bounded < len(asked)
