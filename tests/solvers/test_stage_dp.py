@@ -323,6 +323,44 @@ def test_problem_json_round_trip() -> None:
     assert solve_stages(again).objective == solve_stages(problem).objective
 
 
+def test_problem_records_hold_only_the_cells_that_are_set() -> None:
+    """A planner's table is mostly ``inf``: the record lists the finite cells (and any
+    nonzero ``max_succ``) alone, reads back equal, and the dense lists that older records
+    hold still read back equal."""
+    problem = random_stage_problem(5, 2, 4, num_configs=3, num_micro_batches=7, seed=11)
+    cost, succ = np.array(problem.cost), np.array(problem.max_succ)
+    cost[0, 1, 0, 0], succ[0, 1, 0, 0] = np.inf, 2  # a stage that does not fit, with a bound
+    problem = StageProblem(2, 4, cost, succ, 7, problem.config_names)
+    record = problem.to_dict()
+    set_cells = np.isfinite(problem.cost) | (problem.max_succ != 0)
+    assert record["shape"] == list(problem.cost.shape)
+    assert len(record["cells"]) == int(set_cells.sum()) < problem.cost.size
+    assert [0, 1, 0, 0, None, 2] in record["cells"]
+    assert StageProblem.from_json(json.dumps(record)) == problem
+    dense = {k: v for k, v in record.items() if k not in ("shape", "cells")}
+    nested = problem.cost.astype(object)
+    nested[~np.isfinite(problem.cost)] = None
+    dense.update(cost=nested.tolist(), max_succ=problem.max_succ.tolist())
+    assert StageProblem.from_dict(json.loads(json.dumps(dense))) == problem
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"shape": [5, 5, 4]}, r"shape: expected \[L, L, S, C\]"),
+        ({"cells": "none"}, "cells: expected a list of cells, got str"),
+        ({"cells": [[0, 0, 0, 0, 1.0]]}, r"cells\[0\]: expected \[i, j, submesh"),
+        ({"cells": [[0, 5, 0, 0, 1.0, 0]]}, r"cells\[0\]: .*inside shape \[5, 5, 4, 3\]"),
+        ({"cells": [[0, 0, 0, 0, "fast", 0]]}, r"cells\[0\]"),
+        ({"cells": [[0, 0, 0, 0, -1.0, 0]]}, "negative|>= 0"),
+    ],
+)
+def test_bad_problem_records_name_the_cell(change, match) -> None:
+    record = random_stage_problem(5, 2, 4, num_configs=3, seed=1).to_dict()
+    with pytest.raises(SolverInputError, match=match):
+        StageProblem.from_dict({**record, **change})
+
+
 def test_solution_json_round_trip() -> None:
     problem = random_stage_problem(6, 2, 4, num_micro_batches=8, seed=3)
     sol = solve_stages(problem)
