@@ -474,11 +474,8 @@ class _StageModel:
         or resharding priced (no layouts known); memory as if every parameter (and its
         gradient) were sharded over all the submesh's devices, which no layout beats."""
         sl, params = io[0], self._graph(io)[2] / (job.submesh[0] * job.submesh[1])
-        launches = (
-            job.cost.program_overhead(_kernels(job.graph), 0) if self.cluster.profile else 0.0
-        )
         return StageCost(
-            latency=seconds + launches,
+            latency=seconds + self._launches(job),
             # Parameters and gradients are all live when the backward ends; the residuals
             # when it starts.
             peak_memory=max(2 * params, job.residual_bytes),
@@ -489,6 +486,12 @@ class _StageModel:
             bound=True,
             held_bytes=2 * params + job.residual_bytes,
         )
+
+    def _launches(self, job: _StageJob) -> float:
+        """Seconds the stage's kernels take to launch (0 on a cluster without a profile)."""
+        if not self.cluster.profile:
+            return 0.0
+        return job.cost.program_overhead(_kernels(job.graph), 0)
 
     def _stage_cost(self, io: tuple[Any, ...], job: _StageJob, plan: ShardingPlan) -> StageCost:
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
@@ -503,11 +506,8 @@ class _StageModel:
             else _gradient_sync(plan, job.cost, diff_in, job.params, job.first_grad)
             / self.method.num_micro_batches
         )
-        launches = (
-            job.cost.program_overhead(_kernels(job.graph), 0) if self.cluster.profile else 0.0
-        )
         return StageCost(
-            latency=plan.predicted_time + sync + launches,
+            latency=plan.predicted_time + sync + self._launches(job),
             peak_memory=plan.peak_memory,
             residual_bytes=job.residual_bytes,
             state_bytes=job.state,

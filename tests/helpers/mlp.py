@@ -62,6 +62,21 @@ def marked_mlp_args(
     return params, {"x": jax.random.normal(k[-2], (batch, width)), "y": y}
 
 
+def plan_marked_mlp(num_micro_batches: int = 4):
+    """The pipeshard plan of a fresh ``cpu-2x4`` runtime for an SGD step of the 4-layer
+    marked MLP (width 32, batch 64), stages searched."""
+    import alpa_mini
+    from alpa_mini.models import make_train_step, sgd
+
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
+    params, data = marked_mlp_args(4, 32, 64)
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    method = alpa_mini.PipeshardParallel(num_micro_batches=num_micro_batches)
+    return alpa_mini.plan(step, params, opt.init(params), data, method=method)
+
+
 def train_beside_serial(loss, params, batch, method, steps: int = 2):
     """``steps`` SGD steps of ``loss`` under ``method`` and under plain ``jax.jit``: losses
     and the final parameters equal to 1e-6. Returns the parallel executable."""

@@ -8,12 +8,9 @@ import json
 
 import pytest
 
-import alpa_mini
-from alpa_mini import ClusterSpec, PipeshardParallel
-from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline import stage_cost
 from alpa_mini.solvers import FractionalRelaxation
-from helpers.mlp import marked_mlp_args, marked_mlp_loss
+from helpers.mlp import plan_marked_mlp
 
 
 def _plan(monkeypatch, bound_share: float | None):
@@ -33,13 +30,7 @@ def _plan(monkeypatch, bound_share: float | None):
         return plan
 
     monkeypatch.setattr(stage_cost, "plan_sharding", fractional)
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
-    params, data = marked_mlp_args(4, 32, 64)
-    opt = sgd(0.1)
-    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
-    method = PipeshardParallel(num_micro_batches=4)
-    return alpa_mini.plan(step, params, opt.init(params), data, method=method), asked
+    return plan_marked_mlp(4), asked
 
 
 def _stages(plan) -> list:

@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import alpa_mini
-from alpa_mini import ClusterSpec, PipeshardParallel
-from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline import stage_cost
 from alpa_mini.shard import solve_pool
 from alpa_mini.shard.solve_pool import SolvePool, active_pool, session_pool, solve_session
 from alpa_mini.solvers.errors import InfeasibleError
 from alpa_mini.solvers.sharding.problem import ShardingProblem
 from alpa_mini.solvers.sharding.solve import solve_sharding
-from helpers.mlp import marked_mlp_args, marked_mlp_loss
+from helpers.mlp import plan_marked_mlp
 from helpers.problems import problems
 
 
@@ -97,14 +94,7 @@ def test_sessions_nest_start_children_on_demand_and_stop_them_at_the_end() -> No
 
 def _plan_json(monkeypatch, min_nodes: int) -> dict:
     monkeypatch.setattr(stage_cost, "POOL_MIN_NODES", min_nodes)
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
-    params, data = marked_mlp_args(4, 32, 64)
-    opt = sgd(0.1)
-    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
-    method = PipeshardParallel(num_micro_batches=4)
-    plan = json.loads(alpa_mini.plan(step, params, opt.init(params), data, method=method).to_json())
-    return _without_timings(plan)
+    return _without_timings(json.loads(plan_marked_mlp(4).to_json()))
 
 
 def _without_timings(d):
