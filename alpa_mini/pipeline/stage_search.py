@@ -198,24 +198,22 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
         t_dp = time.perf_counter()
         solution = solve_stages(problem)
         model.stats.dp_seconds += time.perf_counter() - t_dp
-        used = {(st.submesh_index, st.config_index): st.submesh_shape for st in solution.stages}
-        stale = [
-            (starts[k], ends[k], st.submesh_shape, configs[st.submesh_index][st.config_index])
-            for st in solution.stages
-            if tables
-            for k in range(st.layer_start, st.layer_end + 1)
-            if (c := tables[(st.submesh_index, st.config_index)].costs[k]) is not None and c.bound
-        ]
-        if not stale:
+        stale: dict[tuple[int, int], tuple[int, int]] = {}  # (submesh, config) -> shape
+        requests = []
+        for st in solution.stages if tables else ():
+            si, ci = st.submesh_index, st.config_index
+            for k in range(st.layer_start, st.layer_end + 1):
+                if (c := tables[(si, ci)].costs[k]) is not None and c.bound:
+                    requests.append((starts[k], ends[k], st.submesh_shape, configs[si][ci]))
+                    stale[(si, ci)] = st.submesh_shape
+        if not requests:
             return problem, solution
-        model.settle(stale)
+        model.settle(requests)
         cost, succ = problem.cost.copy(), problem.max_succ.copy()
-        for key in [k for k in entries if k[2:] in used]:
-            del entries[key]
-        for (si, ci), sub in used.items():
+        for (si, ci), sub in stale.items():
             cost[:, :, si, ci], succ[:, :, si, ci] = np.inf, 0
-            _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
-        _fill_cells(cost, succ, [kv for kv in entries.items() if kv[0][2:] in used], budget)
+            fresh = _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
+            _fill_cells(cost, succ, fresh.items(), budget)
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
 
 
@@ -387,14 +385,19 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     return entries, tables
 
 
-def _config_entries(model, starts, ends, sub, si: int, ci: int, configs, entries, tables) -> None:
-    """Compose the layer table of submesh ``si``'s config ``ci`` and its cost entries."""
+def _config_entries(model, starts, ends, sub, si: int, ci: int, configs, entries, tables) -> dict:
+    """Compose the layer table of submesh ``si``'s config ``ci`` and its cost entries, which
+    replace that config's in ``entries`` and are returned."""
     logical, layout = configs[si][ci]
     table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical, layout)
+    fresh = {}
     for i in range(len(starts)):
         for j, sc in enumerate(_composed_row(table, i), start=i):
+            entries.pop((i, j, si, ci), None)
             if sc is not None:
-                entries[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
+                fresh[(i, j, si, ci)] = _with_launches(model, sc, sub, logical)
+    entries.update(fresh)
+    return fresh
 
 
 def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
