@@ -106,6 +106,7 @@ def row(model: str) -> dict[str, Any]:
         "predicted_s": plan.predicted_time,
         "planning_s": planning.total_seconds,
         "tried": [list(t) for t in planning.micro_batches_tried],
+        "dominated": [list(t) for t in planning.micro_batches_dominated],
         "recomputed": "every block recomputed" in " ".join(proc.stdout.split()),
     }
 
@@ -193,7 +194,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             continue
         tried = ", ".join(
             f"{b}: {'no fit' if t is None else f'{t:.2f}'}" for b, t in sorted(r["tried"])
-        )
+        ) + "".join(f", {b}: >{t:.2f}" for b, t in sorted(r.get("dominated", [])))
         bound = "" if r.get("rss") == "VmHWM" else "≤"
         rss = "–" if r["peak_rss_gib"] is None else f"{bound}{r['peak_rss_gib']:.2f}"
         if r.get("solver_rss_gib"):

@@ -283,6 +283,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             f"B={b}: " + ("does not fit" if t is None else f"{t * 1e3:.1f} ms")
             for b, t in sorted(p.micro_batches_tried)
         )
+        for b, t in sorted(p.micro_batches_dominated):
+            tried += f", B={b}: over {t * 1e3:.1f} ms (stopped at its bound)"
         console.print(f"micro-batch counts planned: {tried}")
     console.print(
         f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}"

@@ -25,8 +25,10 @@ class PlanningStats:
     ``ilps_bounded``: layer MIPs whose LP relaxation was fractional and that the stage DP
     never needed exactly, so they were never branched on (their cells hold the LP bound).
     ``micro_batches_tried``: with a searched micro-batch count, each count planned and its
-    predicted iteration seconds (None: nothing fit), in the order planned; ``total_seconds``
-    then covers the whole search, the other fields the chosen count's planning."""
+    predicted iteration seconds (None: nothing fit), in the order planned;
+    ``micro_batches_dominated``: the counts whose planning stopped once a lower bound on their
+    seconds (given) exceeded a faster count's. ``total_seconds`` then covers the whole
+    search, the other fields the chosen count's planning."""
 
     trace_seconds: float = 0.0
     graph_seconds: float = 0.0
@@ -40,6 +42,7 @@ class PlanningStats:
     cost_entries: int = 0
     cache_hits: int = 0
     micro_batches_tried: tuple[tuple[int, float | None], ...] = ()
+    micro_batches_dominated: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,21 +61,23 @@ class PlanningStats:
         if "seconds" in data and "total_seconds" not in data:  # plans saved before this record
             values["total_seconds"] = data["seconds"]
         for k, v in values.items():
-            if k == "micro_batches_tried":
-                values[k] = _tried(f"{where}.{k}", v)
+            if k in ("micro_batches_tried", "micro_batches_dominated"):
+                values[k] = _tried(f"{where}.{k}", v, bounds=k.endswith("dominated"))
                 continue
             check = check_int if known[k] in ("int", int) else check_number
             values[k] = check(f"{where}.{k}", v, low=0)
         return cls(**values)
 
 
-def _tried(where: str, value: Any) -> tuple[tuple[int, float | None], ...]:
+def _tried(where: str, value: Any, *, bounds: bool) -> tuple[tuple[int, Any], ...]:
+    """[count, seconds] pairs; seconds may be null (nothing fit) unless ``bounds``."""
+    want = "[count, seconds]" if bounds else "[count, seconds or null]"
     if not isinstance(value, list | tuple):
-        raise ValueError(f"{where}: expected a list of [count, seconds or null], got {value!r}")
+        raise ValueError(f"{where}: expected a list of {want}, got {value!r}")
     out = []
     for i, pair in enumerate(value):
-        if not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise ValueError(f"{where}[{i}]: expected [count, seconds or null], got {pair!r}")
+        if not isinstance(pair, list | tuple) or len(pair) != 2 or (bounds and pair[1] is None):
+            raise ValueError(f"{where}[{i}]: expected {want}, got {pair!r}")
         b = check_int(f"{where}[{i}][0]", pair[0], low=1)
         t = None if pair[1] is None else check_number(f"{where}[{i}][1]", pair[1], low=0)
         out.append((b, t))

@@ -37,7 +37,7 @@ from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
 from .schedules import make_schedule
 from .stacked_rows import join_rows, take_rows, union_sharding
-from .stage_search import LEAST_MEMORY, plan_pipeline
+from .stage_search import BEAT, LEAST_MEMORY, plan_pipeline
 
 __all__ = [
     "PipeshardExecutable",
@@ -287,22 +287,26 @@ def _searched(
     # that count: the trace is made before the planning that finds so).
     first: list[TracedStep] = []
 
-    def plan_at(b: int) -> tuple[PreparedStep, float]:
+    def plan_at(b: int, beat: float = math.inf) -> tuple[PreparedStep, float]:
         if progress is not None:
             progress(f"micro-batches: planning B={b}")
         at = dataclasses.replace(method, num_micro_batches=b)
         earlier = first[0] if first else None
-        prepared = prepare_step(
-            step_fun, avals, roles, at, cluster, progress, earlier,
-            on_traced=None if first else first.append,
-        )  # fmt: skip
+        token = BEAT.set(beat)  # a count that cannot beat the fastest so far stops early
+        try:
+            prepared = prepare_step(
+                step_fun, avals, roles, at, cluster, progress, earlier,
+                on_traced=None if first else first.append,
+            )  # fmt: skip
+        finally:
+            BEAT.reset(token)
         return prepared, prepared.plan.predicted_time
 
     candidates = micro_batch_candidates(max(rows, 1))
     failed: MemoryBudgetError | None = None
     skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...
     try:
-        prepared, _, tried = search_micro_batches(candidates, plan_at)
+        prepared, _, tried, dominated = search_micro_batches(candidates, plan_at)
     except MemoryBudgetError as err:
         failed = err
     finally:
@@ -313,6 +317,7 @@ def _searched(
         prepared.plan.planning or PlanningStats(),
         total_seconds=time.perf_counter() - t0,
         micro_batches_tried=tuple(tried),
+        micro_batches_dominated=tuple(dominated),
     )
     return dataclasses.replace(prepared, plan=dataclasses.replace(prepared.plan, planning=stats))
 

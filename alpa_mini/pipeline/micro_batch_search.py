@@ -8,11 +8,16 @@ counts that fit are a suffix; and the predicted iteration time over them first f
 smaller pipeline bubble, (S - 1) / B of the step) and then rises (micro-batches too small to
 keep devices busy, more launches). So comparing neighbours ``B`` and ``2B`` says on which
 side the best lies, in about ``2 log2(k)`` plans for ``k`` candidates; where a count already
-planned on either side was faster, that says it without planning the neighbour (which saves
-the fifth plan of GPT-39B's and GPT-3 175B's searches: 32, 64, 256, then 128 alone, as 64
-beat 256). Every plan made is
-kept in the record, and the fastest of them is returned even where the curve is not
-unimodal.
+planned on either side was faster, that says it without planning the neighbour (GPT-39B's
+search plans 64, 32, 256, then 128 alone, as 64 beat 256). Every plan made is kept in the
+record, and the fastest of them is returned even where the curve is not unimodal.
+
+Two more facts save planning. Each count is planned against the fastest so far (``beat``):
+without refinement a plan's predicted time is its stage DP's objective, and the DP over the
+layer MIPs' LP bounds is a lower bound on it, so a count whose bound is already slower stops
+there (``Dominated``) before any MIP of it is branched on. And while nothing has fitted, the pair's upper count goes first: larger counts fit more
+often and plan faster, the lower one then has something to beat, and where the upper does
+not fit the lower is passed over too.
 """
 
 from __future__ import annotations
@@ -44,24 +49,38 @@ def micro_batch_candidates(rows: int) -> list[int]:
     return sorted(out)
 
 
+class Dominated(Exception):
+    """Raised by a count's planning once a lower bound on its predicted seconds, ``bound``,
+    exceeds ``beat``, the fastest count planned so far: it cannot be the best."""
+
+    def __init__(self, bound: float, beat: float) -> None:
+        super().__init__(f"at least {bound:.6g} s, slower than {beat:.6g} s already planned")
+        self.bound = bound
+
+
 def search_micro_batches(
-    candidates: Sequence[int], plan: Callable[[int], tuple[T, float]]
-) -> tuple[T, int, list[tuple[int, float | None]]]:
-    """The best of ``candidates``: ``plan(B)`` returns (result, predicted seconds), or raises
-    ``MemoryBudgetError`` (or ``ConfigError``) where nothing fits at B. Returns the fastest
-    result, its B, and every B planned with its predicted seconds (None: nothing fit), in the
-    order they were planned."""
-    # Seconds (or why nothing fits) per count planned; only the fastest result so far is
-    # kept, since a plan of a large model holds its jaxprs and cost tables (GiBs at 1T).
-    results: dict[int, float | ValueError] = {}
+    candidates: Sequence[int], plan: Callable[[int, float], tuple[T, float]]
+) -> tuple[T, int, list[tuple[int, float | None]], list[tuple[int, float]]]:
+    """The best of ``candidates``: ``plan(B, beat)`` returns (result, predicted seconds), or
+    raises ``MemoryBudgetError`` (or ``ConfigError``) where nothing fits at B, or
+    ``Dominated`` once it proves B slower than ``beat`` (the fastest count so far; inf before
+    any). Returns the fastest result, its B, every B planned with its predicted seconds
+    (None: nothing fit) in the order they were planned, and every B dropped as dominated with
+    its lower bound."""
+    # Seconds (or why not) per count planned; only the fastest result so far is kept, since
+    # a plan of a large model holds its jaxprs and cost tables (GiBs at 1T).
+    results: dict[int, float | ValueError | Dominated] = {}
     order: list[int] = []
     best: list[tuple[float, int, T]] = []
 
     def seconds(i: int) -> float:
+        """Count ``i``'s predicted seconds; inf where nothing fits, the bound if dominated."""
         b = candidates[i]
         if b not in results:
             try:
-                result, t = plan(b)
+                result, t = plan(b, best[0][0] if best else math.inf)
+            except Dominated as out:
+                results[b] = out.with_traceback(None)
             except (MemoryBudgetError, ConfigError) as err:
                 results[b] = err.with_traceback(None)  # its frames hold that count's plan
             else:
@@ -71,16 +90,21 @@ def search_micro_batches(
                 del result
             order.append(b)
         got = results[b]
+        if isinstance(got, Dominated):
+            return got.bound
         return math.inf if isinstance(got, ValueError) else got
 
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
+        if not best and candidates[mid] not in results and math.isinf(seconds(mid + 1)):
+            lo = min(mid + 2, hi)  # nothing fits at mid + 1, so nothing at mid either
+            continue
         here = seconds(mid)
         if math.isinf(here):  # nothing fits yet
             lo = mid + 1
             continue
-        side = _known_side(mid, here, {candidates.index(b): t for b, t in results.items()})
+        side = _known_side(mid, here, {candidates.index(b): t for b, t in _exact(results)})
         if side < 0:
             hi = mid - 1
         elif side > 0 or seconds(mid + 1) < here:  # still falling
@@ -88,10 +112,12 @@ def search_micro_batches(
         else:
             hi = mid
     seconds(lo)
-    tried = [(b, None if isinstance(results[b], ValueError) else results[b]) for b in order]
+    exact = dict(_exact(results))
+    tried = [(b, exact.get(b)) for b in order if not isinstance(results[b], Dominated)]
+    dominated = [(b, got.bound) for b in order if isinstance(got := results[b], Dominated)]
     if best:
         _, b, result = best[0]
-        return result, b, tried  # type: ignore[return-value]
+        return result, b, tried, dominated  # type: ignore[return-value]
     errors = [results[b] for b in order]
     text = "; ".join(f"B={b}: {results[b]}" for b in order)[:2000]
     counts = ", ".join(map(str, candidates))
@@ -105,13 +131,18 @@ def search_micro_batches(
     raise ConfigError(f"num_micro_batches: no count searched ({counts}) can be planned ({text})")
 
 
-def _known_side(mid: int, here: float, planned: dict[int, float | ValueError]) -> int:
+def _exact(results: dict[int, float | ValueError | Dominated]) -> list[tuple[int, float]]:
+    """The counts planned to the end, with their predicted seconds."""
+    return [(b, t) for b, t in results.items() if not isinstance(t, ValueError | Dominated)]
+
+
+def _known_side(mid: int, here: float, planned: dict[int, float]) -> int:
     """Which side of candidate ``mid`` (seconds ``here``) the fastest lies on, as far as the
     counts already planned prove it: -1 (below) where a smaller count was strictly faster, 1
     (above) where a larger one was, 0 where they do not say. On a curve that falls and then
     rises, a faster count below ``mid`` means the curve is already rising at ``mid``."""
     for j, got in planned.items():
-        if isinstance(got, ValueError) or not got < here:
+        if not got < here:
             continue
         if j < mid:
             return -1

@@ -34,6 +34,7 @@ from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .compose import _composed_row, _composed_stage, _layer_table, _LayerTable, _refine_configs
 from .layers import layer_starts_and_eps
+from .micro_batch_search import Dominated
 from .placement import _check_devices, assign_devices
 from .plan import PipeshardPlan, StagePlan
 from .stage_configs import StageConfig, _allowed_submeshes, _config_names, stage_configs
@@ -65,6 +66,12 @@ class _Chosen:
 LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "alpa_mini_least_memory", default=True
 )
+
+#: Predicted seconds a plan must beat to be worth finishing: the micro-batch search's fastest
+#: count so far. Without refinement a plan's predicted time is the stage DP's objective, and
+#: the DP over bound cells is a lower bound on it, so the DP stops with ``Dominated`` as soon
+#: as that bound exceeds this (before the bound cells' MIPs are branched on).
+BEAT: contextvars.ContextVar[float] = contextvars.ContextVar("alpa_mini_beat", default=math.inf)
 
 
 def plan_pipeline(
@@ -194,10 +201,13 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
     outright, so the MIPs it never needs are never branched on. (Cells it never used keep
     their bounds in the returned problem's table.)"""
     budget = _budget(model.method, model.cluster)
+    beat = math.inf if model.method.stage_option.refine else BEAT.get()
     while True:
         t_dp = time.perf_counter()
         solution = solve_stages(problem)
         model.stats.dp_seconds += time.perf_counter() - t_dp
+        if solution.objective > beat:  # settling only raises the objective
+            raise Dominated(solution.objective, beat)
         stale: dict[tuple[int, int], tuple[int, int]] = {}  # (submesh, config) -> shape
         requests = []
         for st in solution.stages if tables else ():

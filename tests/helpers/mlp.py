@@ -62,9 +62,10 @@ def marked_mlp_args(
     return params, {"x": jax.random.normal(k[-2], (batch, width)), "y": y}
 
 
-def plan_marked_mlp(num_micro_batches: int = 4):
+def plan_marked_mlp(num_micro_batches: int = 4, **method_options):
     """The pipeshard plan of a fresh ``cpu-2x4`` runtime for an SGD step of the 4-layer
-    marked MLP (width 32, batch 64), stages searched."""
+    marked MLP (width 32, batch 64), stages searched (``method_options``: more
+    ``PipeshardParallel`` fields)."""
     import alpa_mini
     from alpa_mini.models import make_train_step, sgd
 
@@ -73,7 +74,7 @@ def plan_marked_mlp(num_micro_batches: int = 4):
     params, data = marked_mlp_args(4, 32, 64)
     opt = sgd(0.1)
     step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
-    method = alpa_mini.PipeshardParallel(num_micro_batches=num_micro_batches)
+    method = alpa_mini.PipeshardParallel(num_micro_batches=num_micro_batches, **method_options)
     return alpa_mini.plan(step, params, opt.init(params), data, method=method)
 
 
