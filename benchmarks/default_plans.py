@@ -173,7 +173,9 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         "`alpa-mini plan --model M --cluster dgx-a100 --hosts H` with no other flag, in a fresh "
         "process: the micro-batch count searched (the batch's divisors nearest each power of "
         "two, by bisection), every (dp, tp) with tp in a host, ZeRO-3 layers offered, blocks "
-        "recomputed only where nothing fits stored. Planning s: the planner's own total; peak "
+        "recomputed only where nothing fits stored. *B planned*: each count planned and its "
+        "predicted s/iter; >x: its planning stopped once a lower bound x exceeded a faster "
+        "count's (from 2026-11-27, evening). Planning s: the planner's own total; peak "
         "RSS: the planning process's own peak (≤: an upper bound, read as ru_maxrss, which on "
         "Linux also counts the benchmark runner's RSS at fork), and in brackets the largest "
         "peak of its ILP solver processes (one per core, from 2026-11-27). *Tuned s*: the "
@@ -192,9 +194,9 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 10 + f" {r['error']} |")
             continue
-        tried = ", ".join(
-            f"{b}: {'no fit' if t is None else f'{t:.2f}'}" for b, t in sorted(r["tried"])
-        ) + "".join(f", {b}: >{t:.2f}" for b, t in sorted(r.get("dominated", [])))
+        said = {b: "no fit" if t is None else f"{t:.2f}" for b, t in r["tried"]}
+        said |= {b: f">{t:.2f}" for b, t in r.get("dominated", [])}
+        tried = ", ".join(f"{b}: {said[b]}" for b in sorted(said))
         bound = "" if r.get("rss") == "VmHWM" else "≤"
         rss = "–" if r["peak_rss_gib"] is None else f"{bound}{r['peak_rss_gib']:.2f}"
         if r.get("solver_rss_gib"):
@@ -216,6 +218,17 @@ def _default_sync() -> str:
     from alpa_mini import PipeshardParallel
 
     return PipeshardParallel().gradient_sync
+
+
+def render() -> None:
+    """Rewrite the BENCHMARKS.md section from the saved rows."""
+    every = [m for names in SUITES.values() for m in names] + list(MEGATRON_ROWS)
+    every += list(EXTRA_ROWS)
+    kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+    kept.sort(key=lambda r: every.index(r["model"]) if r["model"] in every else len(every))
+    dates = sorted({r["date"] for r in kept if "date" in r}) or [datetime.date.today().isoformat()]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    update_section("default-plans", to_markdown(kept, when))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = [r for r in kept if r["model"] != model] + [result]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(kept, indent=1) + "\n")
-    kept.sort(key=lambda r: every.index(r["model"]) if r["model"] in every else len(every))
-    dates = sorted({r["date"] for r in kept if "date" in r}) or [datetime.date.today().isoformat()]
-    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    update_section("default-plans", to_markdown(kept, when))
+    render()
     return 0
 
 
