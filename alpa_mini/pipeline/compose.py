@@ -40,6 +40,9 @@ def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _La
         for o, v in enumerate(model.slice(starts[a], ends[a]).outvars):
             producer[v] = (a, o)
     into: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+    load = 1.0 / cm.cluster.intra_host.bandwidth
+    ilp_in = [model.ilp_inputs(starts[k], ends[k]) for k in range(L)]
+    credited: set[Any] = set()  # values whose cotangent's load is already credited
     for b in range(L):
         cb = costs[b]
         if cb is None:
@@ -47,16 +50,59 @@ def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _La
         for k, v in enumerate(model.slice(starts[b], ends[b]).invars):
             a, o = producer.get(v, (None, 0))
             ca = None if a is None else costs[a]
-            if ca is None or ca.out_specs[o] is None or cb.in_specs[k] is None:
+            if ca is None:
                 continue
-            src, dst = ca.out_specs[o], cb.in_specs[k]
-            shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
-            t = cm.reshard(shape, size, src, dst)
-            if is_float(v.aval):  # its cotangent travels back the other way
-                t += cm.reshard(shape, size, dst, src)
-            if t > 0:
+            # Handed over inside a stage, v (and its cotangent, back) never crosses from the
+            # host, though each layer's ILP priced it so (shard.problem._input_strategies).
+            t = -_host_load(cb, ilp_in[b].index((v, False)), v, load)
+            if (v, True) in ilp_in[a] and v not in credited:
+                credited.add(v)
+                t -= _host_load(ca, ilp_in[a].index((v, True)), v, load)
+            if ca.out_specs[o] is not None and cb.in_specs[k] is not None:
+                src, dst = ca.out_specs[o], cb.in_specs[k]
+                shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+                t += cm.reshard(shape, size, src, dst)
+                if is_float(v.aval):  # its cotangent travels back the other way
+                    t += cm.reshard(shape, size, dst, src)
+            if t != 0:
                 into[b].append((a, t))
+    _shared_params(model, starts, ends, costs, cm, into)
     return _LayerTable(costs, into)
+
+
+def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, float]]]) -> None:
+    """A parameter read by several layers (a tied embedding) enters a stage once, in one
+    layout: each layer after the first that reads it inside the range takes it from the
+    previous reader's layout, and hands its gradient contribution back to be added there."""
+    last: dict[Any, tuple[int, ShardingSpec]] = {}
+    for b in range(len(starts)):
+        cb = costs[b]
+        if cb is None:
+            continue
+        for k, v in enumerate(model.slice(starts[b], ends[b]).invars):
+            if model.role(v) != "param" or cb.in_specs[k] is None:
+                continue
+            prev, last[v] = last.get(v), (b, cb.in_specs[k])
+            if prev is None:
+                continue
+            a, src = prev
+            dst = cb.in_specs[k]
+            shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+            n = math.prod(shape)
+            add = cm.compute(n, 3 * n * size, str(v.aval.dtype), src.num_shards(cm.mesh.shape))
+            there_and_back = cm.reshard(shape, size, src, dst) + cm.reshard(shape, size, dst, src)
+            into[b].append((a, there_and_back + add))
+
+
+def _host_load(cost: StageCost, k: int, v: Any, load: float) -> float:
+    """Seconds a layer ILP charged its input ``k`` (the value ``v``, or its cotangent) for
+    arriving from the host: its bytes per device at ``load`` s/byte. Without a plan (an LP
+    bound's cell), the most it can have charged, unsharded, so a composed bound stays one."""
+    shards = 1
+    if cost.plan is not None:
+        spec = cost.plan.tensors[cost.plan.inputs[k]].spec
+        shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
+    return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize / shards * load
 
 
 def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
@@ -83,7 +129,9 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
         held, transient = held + h, max(transient, p.peak_memory - h)
         res, state = res + p.residual_bytes, state + p.state_bytes
         bound = bound or p.bound
-        out.append(StageCost(lat, held + transient, res, state, bound=bound))
+        # Credits for values handed between layers can take a bound's sum below 0 (an
+        # unsharded credit against an LP bound of 0): a latency is never negative.
+        out.append(StageCost(max(lat, 0.0), held + transient, res, state, bound=bound))
     return out
 
 

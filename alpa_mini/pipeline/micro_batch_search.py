@@ -15,9 +15,9 @@ record, and the fastest of them is returned even where the curve is not unimodal
 Two more facts save planning. Each count is planned against the fastest so far (``beat``):
 without refinement a plan's predicted time is its stage DP's objective, and the DP over the
 layer MIPs' LP bounds is a lower bound on it, so a count whose bound is already slower stops
-there (``Dominated``) before any MIP of it is branched on. And while nothing has fitted, the pair's upper count goes first: larger counts fit more
-often and plan faster, the lower one then has something to beat, and where the upper does
-not fit the lower is passed over too.
+there (``Dominated``) before any MIP of it is branched on. And while nothing has fitted, the
+pair's upper count goes first: larger counts fit more often and plan faster, the lower one
+then has something to beat, and where the upper does not fit the lower is passed over too.
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ class _StageModel:
         # Equal equations are not enough: whether each input is a parameter, a batch input or
         # an activation, and which values need cotangents, change the forward + backward.
         diff = set(diff_in) | set(diff_out)
-        kinds = tuple(
-            "const" if v in self.consts else (v in diff, self._role(v)) for v in sl.invars
-        )
+        kinds = tuple("const" if v in self.consts else (v in diff, self.role(v)) for v in sl.invars)
         key = (
             layer_hash(sl.eqns, sl.invars, sl.outvars),
             kinds,
@@ -148,6 +146,13 @@ class _StageModel:
         )
         out = self._slices[(start, end)] = (sl, diff_in, nondiff_in, diff_out, nondiff_out, key)
         return out
+
+    def ilp_inputs(self, start: int, end: int) -> list[tuple[Any, bool]]:
+        """The inputs of equations ``[start, end)``'s ILP, in order, as (variable, is the
+        cotangent of that output): differentiable inputs, the others, then one cotangent per
+        differentiable output."""
+        _, diff_in, nondiff_in, diff_out, _, _ = self._io(start, end)
+        return [(v, False) for v in (*diff_in, *nondiff_in)] + [(v, True) for v in diff_out]
 
     def result_sites(self) -> dict[Any, tuple[int, int]]:
         """Each forward variable's (equation, result index)."""
@@ -159,7 +164,7 @@ class _StageModel:
             }
         return self._sites
 
-    def _role(self, v: Any) -> str:
+    def role(self, v: Any) -> str:
         """The op-graph role of a stage input: activations arrive like a batch."""
         j = self.loss_in.get(v)
         if j is None:
@@ -294,7 +299,7 @@ class _StageModel:
             for v in (*diff_in, *nondiff_in, *diff_out)
         ]
         closed = jax.make_jaxpr(train)(*avals)
-        roles = [self._role(v) for v in (*diff_in, *nondiff_in)]
+        roles = [self.role(v) for v in (*diff_in, *nondiff_in)]
         roles += ["batch"] * len(diff_out)
         names = [f"in{k}" for k in range(len(roles))]
         graph = trace_jaxpr(closed, roles, names)
@@ -359,7 +364,7 @@ class _StageModel:
         # parallelism, which keeps a whole copy on every device, and Megatron's layout, which
         # keeps it like each parameter (the runtime does the same:
         # PipeshardParallel.shards_optimizer_state, lower/apply_grad.state_sharding).
-        roles = [self._role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
+        roles = [self.role(v) for v in (*diff_in, *nondiff_in)] + ["batch"] * len(diff_out)
         if opt.layout == "megatron":
             state = self.state_ratio * sum(
                 _nbytes(v.aval) / opt.state_devices(tuple(v.aval.shape), logical)
