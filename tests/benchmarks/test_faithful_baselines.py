@@ -203,7 +203,7 @@ def test_megatron_lm_baseline_pins_every_stage_and_keeps_state_like_its_paramete
     # The whole step as one stage on a (2, 2) mesh, priced by a stage model of the search.
     model = stage_plans["models"][-1]
     start, end = 0, len(model.forward.jaxpr.eqns)
-    params = [v for v in model._io(start, end)[1] if model._role(v) == "param"]
+    params = [v for v in model._io(start, end)[1] if model.role(v) == "param"]
     want = model.state_ratio * sum(
         math.prod(v.aval.shape) * 4 / (2 if splits.dim(v.aval.shape) is not None else 1)
         for v in params
