@@ -96,12 +96,12 @@ def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, fl
 
 def _host_load(cost: StageCost, k: int, v: Any, load: float) -> float:
     """Seconds a layer ILP charged its input ``k`` (the value ``v``, or its cotangent) for
-    arriving from the host: its bytes per device at ``load`` s/byte. Without a plan (an LP
-    bound's cell), the most it can have charged, unsharded, so a composed bound stays one."""
-    shards = 1
-    if cost.plan is not None:
-        spec = cost.plan.tensors[cost.plan.inputs[k]].spec
-        shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
+    arriving from the host: its bytes per device at ``load`` s/byte. An LP bound's cell
+    charged none (its bound leaves such inputs' load out: ``StageCost.bound``)."""
+    if cost.plan is None:
+        return 0.0
+    spec = cost.plan.tensors[cost.plan.inputs[k]].spec
+    shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
     return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize / shards * load
 
 

@@ -61,8 +61,10 @@ class StageCost:
     inner_specs: tuple[tuple[int, int, ShardingSpec], ...] = ()
     # A lower bound, not a plan: the ILP's LP relaxation was fractional and branch-and-bound
     # was deferred (``_StageModel.defer_fractional``). ``latency`` is the relaxation's
-    # optimum; with no layouts known, ``peak_memory`` and ``held_bytes`` (what the layer holds
-    # while others run; compose._held_bytes) count parameters as sharded over every device.
+    # optimum less the host load of its activations and cotangents (``_StageJob.handed``),
+    # which a composition pays only at a stage's edges; with no layouts known,
+    # ``peak_memory`` and ``held_bytes`` (what the layer holds while others run;
+    # compose._held_bytes) count parameters as sharded over every device.
     bound: bool = False
     held_bytes: float | None = None
 
@@ -395,6 +397,10 @@ class _StageModel:
             first_grad=first_grad,
             tie=tie,
             aliases=[(k, first_grad + k) for k in params] if tie else [],
+            # Activations and cotangents: priced as arriving from the host, though inside a
+            # stage they are handed on (compose._layer_table credits that load back).
+            handed=[k for k, v in enumerate((*diff_in, *nondiff_in)) if v not in self.loss_in]
+            + list(range(len(diff_in) + len(nondiff_in), len(roles))),
             memory=None if math.isinf(budget) else max(budget - state, 1.0),
             state=state,
             residual_bytes=res_total / n_dev,
@@ -441,6 +447,9 @@ class _StageModel:
                 time_limit=job.opt.time_limit,
                 solve=solve_sharding if pool is None else pool.solve,
                 defer_fractional=defer,
+                # A deferred layer's bound leaves their load out, which a composed stage
+                # only pays for values from outside it: the bound holds either way.
+                free_inputs=job.handed if defer else (),
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"
@@ -538,6 +547,7 @@ class _StageJob:
     first_grad: int  # output index of the first parameter's gradient
     tie: bool  # gradient_sync="ilp": gradients tied to their parameters' layouts
     aliases: list[tuple[int, int]]
+    handed: list[int]  # input indices of values handed on between layers, not from the host
     memory: float | None  # the ILP's budget: the stage's minus optimiser state
     state: float
     residual_bytes: float

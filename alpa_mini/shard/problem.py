@@ -23,6 +23,7 @@ from .._validate import format_bytes
 from ..errors import MemoryBudgetError
 from ..graph.op_graph import OpGraph
 from ..solvers import (
+    FractionalRelaxation,
     InfeasibleError,
     ShardingProblem,
     ShardingSolution,
@@ -333,6 +334,7 @@ def plan_sharding(
     tie_repeats: bool = False,
     solve: Callable[..., ShardingSolution] = solve_sharding,
     defer_fractional: bool = False,
+    free_inputs: Sequence[int] = (),
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
@@ -341,7 +343,9 @@ def plan_sharding(
     scanned stack is planned; the full ILP is solved instead when the tied one has no plan.
     ``solve``: ``solve_sharding`` or a stand-in with its signature (``SolvePool.solve``).
     ``defer_fractional``: raise the solver's ``FractionalRelaxation`` (its ``lower_bound`` in
-    seconds) where the LP relaxation does not settle the ILP, instead of branching.
+    seconds) where the LP relaxation does not settle the ILP, instead of branching;
+    ``free_inputs``: its bound then leaves out what these inputs' layouts cost (values the
+    caller prices itself, such as activations handed on inside a pipeline stage).
     """
     t0 = time.perf_counter()
     inst = build_sharding_problem(
@@ -357,6 +361,13 @@ def plan_sharding(
     try:
         sol = _solve_tied(inst.problem, backend, time_limit, solve) if tie_repeats else None
         sol = sol or _solve(inst.problem, backend, time_limit, solve=solve, defer=defer_fractional)
+    except FractionalRelaxation as err:
+        if not free_inputs:
+            raise
+        bound = _bound_without(inst.problem, free_inputs, backend, time_limit, solve)
+        raise FractionalRelaxation(
+            f"{err} (bound without inputs {list(free_inputs)})", bound
+        ) from None
     except SolverTimeLimitError as err:
         raise MemoryBudgetError(
             f"time_limit: the ILP found no feasible plan on mesh {cost.mesh.shape} within "
@@ -374,6 +385,21 @@ def plan_sharding(
             min_peak,
         ) from None
     return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+
+
+def _bound_without(problem: ShardingProblem, nodes: Sequence[int], backend, time_limit, solve):
+    """A lower bound on ``problem``'s optimum less what ``nodes`` cost: the optimum (or LP
+    bound) of the same choices with those nodes' allowed strategies made free."""
+    costs = problem.node_costs.copy()
+    offsets = problem.node_offsets
+    for v in nodes:
+        seg = costs[offsets[v] : offsets[v + 1]]
+        seg[np.isfinite(seg) & (seg < FORBIDDEN_COST)] = 0.0
+    free = dataclasses.replace(problem, node_costs=costs)
+    try:
+        return _solve(free, backend, time_limit, solve=solve, defer=True).objective
+    except FractionalRelaxation as err:
+        return err.lower_bound
 
 
 def _solve(

@@ -5,7 +5,9 @@ ever solved exactly."""
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from alpa_mini.options.pipeshard import AutoStageOption
@@ -18,22 +20,28 @@ from helpers.mlp import plan_marked_mlp
 
 def _plan(monkeypatch, bound_share: float | None, **method_options):
     """The marked MLP's plan on cpu-2x4; with ``bound_share``, every deferrable layer ILP
-    reports that share of its true optimum as a fractional relaxation's bound (a valid, and
-    deliberately loose, bound)."""
+    reports that share of its true optimum, less the host load of the inputs it may leave
+    out (``free_inputs``: activations handed on), as a fractional relaxation's bound (a
+    valid, and deliberately loose, bound)."""
     real = stage_cost.plan_sharding
     asked: list[float] = []
 
-    def fractional(*args, defer_fractional=False, **kwargs):
-        plan = real(*args, **kwargs)
+    def fractional(graph, cost, *args, defer_fractional=False, free_inputs=(), **kwargs):
+        plan = real(graph, cost, *args, **kwargs)
         if defer_fractional and bound_share is not None:
             asked.append(plan.predicted_time)
-            raise FractionalRelaxation(
-                "every layer MIP fractional", bound_share * plan.predicted_time
-            )
+            load = sum(_bytes_per_device(plan, k) for k in free_inputs)
+            rest = plan.predicted_time - load / cost.cluster.intra_host.bandwidth
+            raise FractionalRelaxation("every layer MIP fractional", bound_share * rest)
         return plan
 
     monkeypatch.setattr(stage_cost, "plan_sharding", fractional)
     return plan_marked_mlp(4, **method_options), asked
+
+
+def _bytes_per_device(plan, k: int) -> float:
+    t = plan.tensors[plan.inputs[k]]
+    return math.prod(t.shape) * np.dtype(t.dtype).itemsize / t.spec.num_shards(plan.mesh_shape)
 
 
 def _stages(plan) -> list:
@@ -77,3 +85,32 @@ def test_a_count_that_cannot_beat_the_fastest_stops_at_a_bound_below_its_time(
     finally:
         BEAT.reset(token)
     assert _stages(again) == _stages(exact)
+
+
+def test_a_bound_without_some_inputs_never_exceeds_the_optimum_less_their_cost():
+    """``plan_sharding(free_inputs=...)``'s bound (``shard.problem._bound_without``): the
+    problem re-solved with those nodes' costs zeroed. On odd rings with random node costs,
+    brute force checks it against min over assignments of (total - the freed nodes' cost)."""
+    import itertools
+    import random
+
+    from alpa_mini.shard.problem import _bound_without
+    from alpa_mini.solvers import ShardingProblem, solve_sharding
+
+    rng = random.Random(0)
+    for _ in range(20):
+        n = 5
+        costs = [[rng.uniform(0, 2), rng.uniform(0, 2)] for _ in range(n)]
+        problem = ShardingProblem.from_lists(
+            costs=costs,
+            edges=[(k, (k + 1) % n) for k in range(n)],
+            edge_costs=[[1.0, 0.0, 0.0, 1.0]] * n,
+        )
+        freed = rng.sample(range(n), rng.randrange(1, n))
+        rest = min(
+            sum(costs[v][c[v]] for v in range(n) if v not in freed)
+            + sum(c[k] == c[(k + 1) % n] for k in range(n))
+            for c in itertools.product((0, 1), repeat=n)
+        )
+        bound = _bound_without(problem, freed, "highs", None, solve_sharding)
+        assert bound <= rest + 1e-9
