@@ -41,7 +41,10 @@ def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _La
             producer[v] = (a, o)
     into: list[list[tuple[int, float]]] = [[] for _ in range(L)]
     load = 1.0 / cm.cluster.intra_host.bandwidth
-    ilp_in = [model.ilp_inputs(starts[k], ends[k]) for k in range(L)]
+    # Per layer, where each input (value, is its cotangent) sits among its ILP's inputs.
+    ilp_in = [
+        {key: n for n, key in enumerate(model.ilp_inputs(starts[k], ends[k]))} for k in range(L)
+    ]
     credited: set[Any] = set()  # values whose cotangent's load is already credited
     for b in range(L):
         cb = costs[b]
@@ -54,10 +57,10 @@ def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _La
                 continue
             # Handed over inside a stage, v (and its cotangent, back) never crosses from the
             # host, though each layer's ILP priced it so (shard.problem._input_strategies).
-            t = -_host_load(cb, ilp_in[b].index((v, False)), v, load)
+            t = -_host_load(cb, ilp_in[b].get((v, False)), v, load)
             if (v, True) in ilp_in[a] and v not in credited:
                 credited.add(v)
-                t -= _host_load(ca, ilp_in[a].index((v, True)), v, load)
+                t -= _host_load(ca, ilp_in[a][(v, True)], v, load)
             if ca.out_specs[o] is not None and cb.in_specs[k] is not None:
                 src, dst = ca.out_specs[o], cb.in_specs[k]
                 shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
@@ -94,11 +97,11 @@ def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, fl
             into[b].append((a, there_and_back + add))
 
 
-def _host_load(cost: StageCost, k: int, v: Any, load: float) -> float:
+def _host_load(cost: StageCost, k: int | None, v: Any, load: float) -> float:
     """Seconds a layer ILP charged its input ``k`` (the value ``v``, or its cotangent) for
     arriving from the host: its bytes per device at ``load`` s/byte. An LP bound's cell
     charged none (its bound leaves such inputs' load out: ``StageCost.bound``)."""
-    if cost.plan is None:
+    if cost.plan is None or k is None:
         return 0.0
     spec = cost.plan.tensors[cost.plan.inputs[k]].spec
     shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
@@ -129,8 +132,8 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
         held, transient = held + h, max(transient, p.peak_memory - h)
         res, state = res + p.residual_bytes, state + p.state_bytes
         bound = bound or p.bound
-        # Credits for values handed between layers can take a bound's sum below 0 (an
-        # unsharded credit against an LP bound of 0): a latency is never negative.
+        # The credits for values handed between layers take back what the layers' own
+        # latencies charged, so only round-off can take the sum below 0.
         out.append(StageCost(max(lat, 0.0), held + transient, res, state, bound=bound))
     return out
 
