@@ -153,8 +153,7 @@ class _StageModel:
         """The inputs of equations ``[start, end)``'s ILP, in order, as (variable, is the
         cotangent of that output): differentiable inputs, the others, then one cotangent per
         differentiable output."""
-        _, diff_in, nondiff_in, diff_out, _, _ = self._io(start, end)
-        return [(v, False) for v in (*diff_in, *nondiff_in)] + [(v, True) for v in diff_out]
+        return _ilp_inputs(self._io(start, end))
 
     def result_sites(self) -> dict[Any, tuple[int, int]]:
         """Each forward variable's (equation, result index)."""
@@ -399,8 +398,9 @@ class _StageModel:
             aliases=[(k, first_grad + k) for k in params] if tie else [],
             # Activations and cotangents: priced as arriving from the host, though inside a
             # stage they are handed on (compose._layer_table credits that load back).
-            handed=[k for k, v in enumerate((*diff_in, *nondiff_in)) if v not in self.loss_in]
-            + list(range(len(diff_in) + len(nondiff_in), len(roles))),
+            handed=[
+                k for k, (v, cot) in enumerate(_ilp_inputs(io)) if cot or v not in self.loss_in
+            ],
             memory=None if math.isinf(budget) else max(budget - state, 1.0),
             state=state,
             residual_bytes=res_total / n_dev,
@@ -634,6 +634,12 @@ def _budget(method: PipeshardParallel, cluster: ClusterSpec) -> float:
     """Bytes per device a stage may use (``PipeshardParallel.memory_budget``, the one place
     it is set; None: the device's memory)."""
     return method.memory_budget or cluster.device.memory_bytes
+
+
+def _ilp_inputs(io: tuple[Any, ...]) -> list[tuple[Any, bool]]:
+    """``_StageModel.ilp_inputs`` of a slice's ``_io`` record."""
+    _, diff_in, nondiff_in, diff_out, _, _ = io
+    return [(v, False) for v in (*diff_in, *nondiff_in)] + [(v, True) for v in diff_out]
 
 
 def _with_launches(model, sc: StageCost, sub: tuple[int, int], logical) -> StageCost:

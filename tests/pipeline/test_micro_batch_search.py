@@ -214,3 +214,18 @@ def test_when_no_count_fits_the_error_names_the_least_memory_of_the_largest(devi
     assert need is not None and need > 1024.0
     fits = PipeshardParallel(64, memory_budget=need * 1.001)
     assert alpa_mini.plan(step, params, opt.init(params), data, method=fits).num_micro_batches == 64
+
+
+def test_counts_stopped_at_their_bound_round_trip_and_bad_records_name_the_field():
+    from alpa_mini.graph.planning_stats import PlanningStats
+
+    stats = PlanningStats(
+        micro_batches_tried=((64, 25.3), (32, None)), micro_batches_dominated=((256, 26.1),)
+    )
+    assert PlanningStats.from_dict(stats.to_dict()) == stats
+    # Plans saved before the field read as having stopped no count.
+    old = {k: v for k, v in stats.to_dict().items() if k != "micro_batches_dominated"}
+    assert PlanningStats.from_dict(old).micro_batches_dominated == ()
+    bad = {**stats.to_dict(), "micro_batches_dominated": [[256, None]]}
+    with pytest.raises(ValueError, match=r"planning.micro_batches_dominated\[0\]: expected"):
+        PlanningStats.from_dict(bad)
