@@ -220,10 +220,14 @@ def _default_sync() -> str:
     return PipeshardParallel().gradient_sync
 
 
+def _rows() -> list[str]:
+    """Every row, in table order."""
+    return [m for names in SUITES.values() for m in names] + [*MEGATRON_ROWS, *EXTRA_ROWS]
+
+
 def render() -> None:
     """Rewrite the BENCHMARKS.md section from the saved rows."""
-    every = [m for names in SUITES.values() for m in names] + list(MEGATRON_ROWS)
-    every += list(EXTRA_ROWS)
+    every = _rows()
     kept = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     kept.sort(key=lambda r: every.index(r["model"]) if r["model"] in every else len(every))
     dates = sorted({r["date"] for r in kept if "date" in r}) or [datetime.date.today().isoformat()]
@@ -232,8 +236,7 @@ def render() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    every = [m for names in SUITES.values() for m in names] + list(MEGATRON_ROWS)
-    every += list(EXTRA_ROWS)
+    every = _rows()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.default_plans")
     parser.add_argument("--models", default=",".join(every), help="comma-separated rows")
     parser.add_argument(
