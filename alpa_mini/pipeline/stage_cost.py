@@ -117,6 +117,7 @@ class _StageModel:
         self._slices: dict[tuple[int, int], Any] = {}
         self._graphs: dict[Any, tuple[Any, float, float]] = {}
         self._cost_models: dict[Any, CostModel] = {}
+        self._floors: dict[Any, tuple[float, float, float]] = {}
         self._fresh: set[Any] = set()
         self._sites: dict[Any, tuple[int, int]] | None = None
         # Preset (pinned-layout) ILPs by (structure, submesh, logical mesh, layout, batch
@@ -500,6 +501,22 @@ class _StageModel:
             bound=True,
             held_bytes=2 * params + job.residual_bytes,
         )
+
+    def memory_floor(
+        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...], layout: str
+    ) -> tuple[float, float, float]:
+        """Bytes per device no plan of equations ``[start, end)`` on this mesh holds less of,
+        without solving anything (``memory_screen``): (parameters, gradients and residuals
+        split evenly over the submesh, residuals, optimiser state)."""
+        io = self._io(start, end)
+        key = (*io[5], submesh, logical, layout)
+        hit = self._floors.get(key)
+        if hit is None:
+            floor = self._bound_cost(io, self._job(io, submesh, logical, layout), 0.0)
+            hit = self._floors[key] = (
+                floor.held_bytes, floor.residual_bytes, floor.state_bytes
+            )  # fmt: skip
+        return hit
 
     def _launches(self, job: _StageJob) -> float:
         """Seconds the stage's kernels take to launch (0 on a cluster without a profile)."""

@@ -34,6 +34,7 @@ from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .compose import _composed_row, _composed_stage, _layer_table, _LayerTable, _refine_configs
 from .layers import layer_starts_and_eps
+from .memory_screen import screen_memory
 from .micro_batch_search import Dominated
 from .placement import _check_devices, assign_devices
 from .plan import PipeshardPlan, StagePlan
@@ -139,6 +140,9 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     # Composed stages may stand on bounds of fractional layer MIPs until the DP needs them.
     model.defer_fractional = so.profiling == "individual"
     try:
+        if model.defer_fractional and math.isfinite(budget):  # composed stages: see the module
+            allowed = _allowed_submeshes(shapes, so.submesh_space)
+            screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
         entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
         problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         problem, solution = _settled_dp(model, problem, entries, tables, starts, ends, configs)
