@@ -37,6 +37,7 @@ from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
 from .schedules import make_schedule
 from .stacked_rows import join_rows, take_rows, union_sharding
+from .stage_cost import shared_cost_models
 from .stage_search import BEAT, LEAST_MEMORY, plan_pipeline
 
 __all__ = [
@@ -304,15 +305,16 @@ def _searched(
 
     candidates = micro_batch_candidates(max(rows, 1))
     failed: MemoryBudgetError | None = None
-    skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...
-    try:
-        prepared, _, tried, dominated = search_micro_batches(candidates, plan_at)
-    except MemoryBudgetError as err:
-        failed = err
-    finally:
-        LEAST_MEMORY.reset(skip)
-    if failed is not None:  # ...unless no count fits
-        raise _least_memory_error(failed, lambda: plan_at(candidates[-1])) from None
+    with shared_cost_models():
+        skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...
+        try:
+            prepared, _, tried, dominated = search_micro_batches(candidates, plan_at)
+        except MemoryBudgetError as err:
+            failed = err
+        finally:
+            LEAST_MEMORY.reset(skip)
+        if failed is not None:  # ...unless no count fits
+            raise _least_memory_error(failed, lambda: plan_at(candidates[-1])) from None
     stats = dataclasses.replace(
         prepared.plan.planning or PlanningStats(),
         total_seconds=time.perf_counter() - t0,

@@ -25,11 +25,14 @@ from ..solvers.stages import StageProblem, solve_stages
 
 def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, names) -> None:
     """Raise ``InfeasibleError`` when no slicing fits ``budget`` per device even with every
-    layer at its memory floor; return quietly otherwise (the full table decides)."""
+    layer at its memory floor; return quietly otherwise (the full table decides).
+
+    Most counts fit: an even slicing over one submesh shape that fits at the floors shows
+    it without the stage DP (which, at Megatron's 1T on 384 hosts, spends seconds on a
+    table of every host count)."""
     L, cluster = len(starts), model.cluster
     C = max(len(c) for c in configs)
-    cost = np.full((L, L, len(shapes), C), np.inf)
-    max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
+    cells: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for si, sub in enumerate(shapes):
         if not allowed[si]:
             continue
@@ -37,7 +40,17 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
             floors = np.array(
                 [model.memory_floor(starts[k], ends[k], sub, logical, layout) for k in range(L)]
             )
-            _fill_floor(cost[:, :, si, ci], max_succ[:, :, si, ci], floors, budget)
+            cells[(si, ci)] = _floor_cells(floors, budget)
+    total = cluster.num_hosts * cluster.devices_per_host
+    for (si, _), (fits, succ) in cells.items():
+        size = shapes[si][0] * shapes[si][1]
+        if total % size == 0 and _even_slicing_fits(fits, succ, total // size):
+            return
+    cost = np.full((L, L, len(shapes), C), np.inf)
+    max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
+    for (si, ci), (fits, succ) in cells.items():
+        cost[:, :, si, ci][fits] = 0.0
+        max_succ[:, :, si, ci][fits] = succ[fits]
     problem = StageProblem(
         cluster.num_hosts, cluster.devices_per_host, cost, max_succ,
         model.method.num_micro_batches, names,
@@ -52,21 +65,42 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
         ) from None
 
 
-def _fill_floor(cost: np.ndarray, max_succ: np.ndarray, floors: np.ndarray, budget: float):
-    """Cells (i, j) of one (submesh, config) whose floor fits ``budget`` with one micro-batch
-    in flight get latency 0 and the most later stages' in-flight micro-batches the floor
-    allows (as ``stage_search._fill_cells`` counts them). ``floors``: per layer (held,
-    residual, state) bytes per device."""
+def _floor_cells(floors: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
+    """Which layer ranges (i, j) of one (submesh, config) fit ``budget`` at their floor with
+    one micro-batch in flight, and the most later stages' in-flight micro-batches each then
+    allows (``max_succ``, as ``stage_search._fill_cells`` counts it). ``floors``: per layer
+    (held, residual, state) bytes per device."""
     L = len(floors)
     held, res, state = (floors[:, c] for c in range(3))
+    fits = np.zeros((L, L), dtype=bool)
+    succ = np.zeros((L, L), dtype=np.int64)
     # Round-off in the cumulative sums may only ever admit a cell, never drop one.
     room = budget * (1.0 + 1e-9)
     for i in range(L):
         first = np.cumsum(held[i:]) - np.minimum.accumulate(held[i:]) + np.cumsum(state[i:])
         per = np.cumsum(res[i:])
-        fits = first <= room
-        cost[i, i:][fits] = 0.0
+        fits[i, i:] = first <= room
         with np.errstate(divide="ignore", invalid="ignore"):
             extra = np.where(per > 0, np.floor((room - first) / per), L)
         k = np.clip(extra + 1, 1, L)  # micro-batches in flight: memory(k) <= room
-        max_succ[i, i:][fits] = (k[fits] - 1).astype(np.int64)
+        succ[i, i:] = np.where(fits[i, i:], k - 1, 0).astype(np.int64)
+    return fits, succ
+
+
+def _even_slicing_fits(fits: np.ndarray, succ: np.ndarray, stages: int) -> bool:
+    """Whether the layers split into ``stages`` consecutive stages, all on this submesh and
+    config, each fitting with the later stages' micro-batches in flight (1F1B: stage s of S
+    holds S - s)."""
+    L = len(fits)
+    if stages > L:
+        return False
+    reach = np.zeros(L + 1, dtype=bool)  # reach[i]: layers before i are placed
+    reach[0] = True
+    for s in range(stages):
+        ok = fits & (succ >= stages - 1 - s)
+        nxt = np.zeros(L + 1, dtype=bool)
+        nxt[1:] = (reach[:L, None] & ok).any(axis=0)
+        reach = nxt
+        if not reach.any():
+            return False
+    return bool(reach[L])

@@ -4,11 +4,13 @@ logical mesh, layout), cached by structural hash and solved ahead on a thread po
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +99,24 @@ class PlanningCounters:
 POOL_MIN_NODES = 2000
 
 
+#: The cost models of the stage models made inside ``shared_cost_models``, by mesh.
+_SHARED_COST_MODELS: contextvars.ContextVar[dict[Any, CostModel] | None] = contextvars.ContextVar(
+    "alpa_mini_shared_cost_models", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_cost_models() -> Iterator[None]:
+    """Stage models made inside start each mesh's cost model from the one the previous stage
+    model used (``CostModel.carried``): the micro-batch search plans the same layers at every
+    count, and their resharding steps do not depend on the micro-batch size."""
+    token = _SHARED_COST_MODELS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_COST_MODELS.reset(token)
+
+
 class _StageModel:
     """Builds and solves the per-stage ILP for equation ranges of the forward."""
 
@@ -118,6 +138,7 @@ class _StageModel:
         self._graphs: dict[Any, tuple[Any, float, float]] = {}
         self._cost_models: dict[Any, CostModel] = {}
         self._floors: dict[Any, tuple[float, float, float]] = {}
+        self._shared = _SHARED_COST_MODELS.get()  # read here: prefetch threads do not see it
         self._fresh: set[Any] = set()
         self._sites: dict[Any, tuple[int, int]] | None = None
         # Preset (pinned-layout) ILPs by (structure, submesh, logical mesh, layout, batch
@@ -251,12 +272,19 @@ class _StageModel:
         self.stats.ilps_settled += len(stale)
 
     def cost_model(self, submesh: tuple[int, int], logical: tuple[int, ...]) -> CostModel:
-        """One cost model per mesh, so its resharding cache serves every layer planned there."""
+        """One cost model per mesh, so its resharding cache serves every layer planned there
+        (and, inside ``shared_cost_models``, what of it the earlier counts worked out)."""
         key = (submesh, logical)
         with self._lock:
             if key not in self._cost_models:
-                mesh = self.cluster.logical_mesh(logical, submesh)
-                self._cost_models[key] = CostModel(self.cluster, mesh)
+                earlier = None if self._shared is None else self._shared.get(key)
+                if earlier is not None and earlier.cluster is self.cluster:
+                    model = earlier.carried()
+                else:
+                    model = CostModel(self.cluster, self.cluster.logical_mesh(logical, submesh))
+                self._cost_models[key] = model
+                if self._shared is not None:
+                    self._shared[key] = model
             return self._cost_models[key]
 
     def _graph(self, io: tuple[Any, ...]) -> tuple[Any, float, float]:

@@ -37,6 +37,13 @@ class CostModel:
     #: the layers planned on one mesh repeat most operators.
     op_strategies: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def carried(self) -> CostModel:
+        """A fresh cost model of the same mesh keeping only what no tensor shape enters: the
+        resharding steps of each pair of layout lists and the collective groups. Another
+        micro-batch count's stage models start from it (``stage_cost.shared_cost_models``)."""
+        kept = {k: v for k, v in self._reshard_cache.items() if k[0] in ("terms", "group")}
+        return CostModel(self.cluster, self.mesh, kept)
+
     # ------------------------------------------------------------------ compute
     def compute(
         self, flops: float, bytes_accessed: float, dtype: str, parallel: int, primitive: str = ""

@@ -8,6 +8,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from alpa_mini.cluster.spec import ClusterSpec
@@ -124,6 +125,22 @@ def test_reshard_costs_follow_the_alpha_beta_forms() -> None:
         link.alpha + link.beta * (n - 1) / (2 * n) * full / n
     )
     assert cost.reshard(shape, 4, rep, split1) == 0.0
+
+
+def test_a_carried_cost_model_keeps_only_shape_free_entries_and_prices_alike() -> None:
+    """``CostModel.carried``: what another micro-batch count's stage models start from."""
+    from alpa_mini.shard.spec import enumerate_specs
+
+    cost = CostModel(CPU, CPU.logical_mesh((2, 4)))
+    specs = list(enumerate_specs((64, 32), (2, 4)))
+    cost.reshard_table((64, 32), 4, specs, specs)
+    cost.reshard((64, 32), 4, specs[1], specs[2])
+    carried = cost.carried()
+    assert carried.mesh == cost.mesh and not carried.op_strategies
+    assert {k[0] for k in carried._reshard_cache} == {"terms", "group"}
+    for shape in ((64, 32), (16, 32)):  # another micro-batch size: the same steps, new bytes
+        fresh = CostModel(CPU, CPU.logical_mesh((2, 4))).reshard_table(shape, 4, specs, specs)
+        np.testing.assert_array_equal(carried.reshard_table(shape, 4, specs, specs), fresh)
 
 
 def test_reshape_keeps_a_split_on_the_major_dimension_only() -> None:

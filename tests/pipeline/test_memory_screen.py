@@ -11,7 +11,7 @@ from alpa_mini import ClusterSpec, MemoryBudgetError, PipeshardParallel
 from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline import stage_cost
 from alpa_mini.pipeline.compose import _composed_row, _LayerTable
-from alpa_mini.pipeline.memory_screen import _fill_floor
+from alpa_mini.pipeline.memory_screen import _even_slicing_fits, _floor_cells
 from alpa_mini.pipeline.stage_cost import StageCost
 from alpa_mini.pipeline.stage_search import LEAST_MEMORY, _fill_cells
 from helpers.mlp import marked_mlp_args, marked_mlp_loss
@@ -45,8 +45,8 @@ def test_the_floor_admits_every_composed_stage_that_fits_and_equals_it_at_the_fl
             for j, sc in enumerate(_composed_row(table, i), start=i)
         ]
         _fill_cells(real_cost[:, :, None, None], real_succ[:, :, None, None], items, budget)
-        cost, succ = np.full((L, L), np.inf), np.zeros((L, L), dtype=np.int64)
-        _fill_floor(cost, succ, floors, budget)
+        fits_floor, succ = _floor_cells(floors, budget)
+        cost = np.where(fits_floor, 0.0, np.inf)
         fits = np.isfinite(real_cost)
         assert np.all(np.isfinite(cost[fits])), trial  # never screens out a stage that fits
         assert np.all(succ[fits] >= real_succ[fits]), trial
@@ -88,3 +88,23 @@ def test_a_count_no_plan_fits_is_refused_before_any_layer_ilp(monkeypatch, devic
     assert need is not None and need > 1024.0
     assert _marked_mlp(need * 1.0001, 4).num_micro_batches == 4
     assert solved
+
+
+def test_an_even_slicing_is_found_exactly_when_one_fits():
+    """``_even_slicing_fits`` against every way to cut L layers into S stages."""
+    import itertools
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        L = int(rng.integers(1, 7))
+        S = int(rng.integers(1, L + 2))
+        fits = np.triu(rng.random((L, L)) < 0.7)
+        succ = np.where(fits, rng.integers(0, L, (L, L)), 0)
+        want = any(
+            all(
+                fits[i, j - 1] and succ[i, j - 1] >= S - 1 - s
+                for s, (i, j) in enumerate(zip((0, *cuts), (*cuts, L), strict=True))
+            )
+            for cuts in itertools.combinations(range(1, L), S - 1)
+        )
+        assert _even_slicing_fits(fits, succ, S) == want, trial
