@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,10 @@ class _LayerTable:
     costs: list[StageCost | None]
     reshard_into: list[list[tuple[int, float]]]  # layer b -> [(producer layer a, seconds)]
     held: list[float] = dataclasses.field(default_factory=list)  # ``_held_bytes`` per layer
+    # (a, b, table): the same table with layer a or b re-planned to read the parameters the
+    # two share in the other's layouts, for ranges holding both where that beats resharding.
+    aligned: list[tuple[int, int, _LayerTable]] = dataclasses.field(default_factory=list)
+    pinned: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)  # (a, b, layer)
 
     def __post_init__(self) -> None:
         if not self.held:  # every composed row reads each layer's: worked out once
@@ -32,8 +37,61 @@ class _LayerTable:
 
 
 def _layer_table(model, starts, ends, sub, logical, layout: str = "auto") -> _LayerTable:
+    costs = [model.cost(starts[k], ends[k], sub, logical, layout) for k in range(len(starts))]
+    return _table_of(model, starts, ends, sub, logical, costs)
+
+
+def align_shared(model, table: _LayerTable, starts, ends, sub, config, i: int, j: int) -> None:
+    """Add to ``table`` the aligned tables of the layers ``i..j`` that share parameters: each
+    reader re-planned to read them as the other does (two layer ILPs per pair, solved at
+    once), which a stage holding both may take instead of resharding them. Done for the
+    chosen stages only: the stage DP ranked slicings with the resharding priced."""
+    logical, layout = config
+    todo = [
+        (a, b, k, pins)
+        for a, b, k, pins in shared_pins(model, starts, ends, table.costs)
+        if i <= a and b <= j and (a, b, k) not in table.pinned
+    ]
+    if not todo:
+        return
+    with ThreadPoolExecutor(max_workers=len(todo)) as pool:
+        found = list(
+            pool.map(
+                lambda t: model.cost_pinned(starts[t[2]], ends[t[2]], sub, logical, layout, t[3]),
+                todo,
+            )
+        )
+    for (a, b, k, _), pinned in zip(todo, found, strict=True):
+        table.pinned.add((a, b, k))
+        if pinned is not None:
+            other = [pinned if n == k else c for n, c in enumerate(table.costs)]
+            table.aligned.append((a, b, _table_of(model, starts, ends, sub, logical, other)))
+
+
+def shared_pins(model, starts, ends, costs) -> list[tuple[int, int, int, dict[int, Any]]]:
+    """Parameters read by several layers (a tied embedding): per first and next reader
+    (a, b), each of the two re-planned to read them in the other's layouts, as (a, b, the
+    layer re-planned, {position among its ILP inputs: layout})."""
+    readers: dict[Any, list[tuple[int, int]]] = {}
+    for b, cb in enumerate(costs):
+        for k, v in enumerate(model.slice(starts[b], ends[b]).invars):
+            if cb is not None and not cb.bound and model.role(v) == "param":
+                readers.setdefault(v, []).append((b, k))
+    pins: dict[tuple[int, int, int], dict[int, Any]] = {}
+    for v, found in readers.items():
+        if len(found) < 2:
+            continue
+        for (x, _), (y, ky) in (found[:2], found[1::-1]):  # x re-planned to read v as y does
+            spec, inputs = costs[y].in_specs[ky], model.ilp_inputs(starts[x], ends[x])
+            if spec is not None and (v, False) in inputs:
+                a, b = sorted((x, y))
+                pins.setdefault((a, b, x), {})[inputs.index((v, False))] = spec
+    return [(a, b, x, p) for (a, b, x), p in pins.items()]
+
+
+def _table_of(model, starts, ends, sub, logical, costs: list[StageCost | None]) -> _LayerTable:
+    """The layer table of these per-layer costs: what values handed between layers cost."""
     L = len(starts)
-    costs = [model.cost(starts[k], ends[k], sub, logical, layout) for k in range(L)]
     cm = model.cost_model(sub, logical)
     producer: dict[Any, tuple[int, int]] = {}
     for a in range(L):
@@ -109,6 +167,30 @@ def _host_load(cost: StageCost, k: int | None, v: Any, load: float) -> float:
 
 
 def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
+    """``_row`` of the table, each range that holds an aligned pair (a, b) taken from that
+    pair's aligned table where it is faster."""
+    row = _row(table, i)
+    for a, b, other in table.aligned:
+        if a < i:
+            continue
+        for j, sc in enumerate(_row(other, i)[b - i :], start=b - i):
+            if sc is not None and (row[j] is None or sc.latency < row[j].latency):
+                row[j] = sc
+    return row
+
+
+def _table_for(table: _LayerTable, i: int, j: int) -> _LayerTable:
+    """The table whose composition of layers ``i..j`` ``_composed_row`` keeps."""
+    best, cost = table, _row(table, i)[j - i]
+    for a, b, other in table.aligned:
+        if i <= a and b <= j:
+            sc = _row(other, i)[j - i]
+            if sc is not None and (cost is None or sc.latency < cost.latency):
+                best, cost = other, sc
+    return best
+
+
+def _row(table: _LayerTable, i: int) -> list[StageCost | None]:
     """Individual-mode costs of layers ``i..j`` for every ``j >= i``, by running sums:
     per-layer latencies plus the resharding between layers inside the range.
 
@@ -180,7 +262,8 @@ def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> 
     """The composed cost of layers ``i..j`` plus the layouts at the stage's edges: each value
     the stage reads takes the layout of the first layer that reads it; each value it hands on,
     its producer's."""
-    sc = _composed_row(table, i)[j - i]
+    table = _table_for(table, i, j)
+    sc = _row(table, i)[j - i]
     if sc is None:
         return None
     stage = model.slice(starts[i], ends[j])

@@ -301,7 +301,7 @@ def _searched(
             )  # fmt: skip
         finally:
             BEAT.reset(token)
-        return prepared, prepared.plan.predicted_time
+        return prepared, _ranked_time(prepared.plan, method)
 
     candidates = micro_batch_candidates(max(rows, 1))
     failed: MemoryBudgetError | None = None
@@ -322,6 +322,18 @@ def _searched(
         micro_batches_dominated=tuple(dominated),
     )
     return dataclasses.replace(prepared, plan=dataclasses.replace(prepared.plan, planning=stats))
+
+
+def _ranked_time(plan: PipeshardPlan, method: PipeshardParallel) -> float:
+    """The time the micro-batch search ranks a count by: its stage DP's objective, unless the
+    chosen stages were refined whole. The DP prices composed stages; the chosen ones may then
+    re-plan layers that share parameters (``compose.align_shared``), which only lowers the
+    plan's predicted time, and which the bounds of counts stopped early never priced. So
+    counts compare as the DP priced them, and a count stopped at its bound could not have
+    won."""
+    refined = getattr(method.stage_option, "refine", False)
+    solution = plan.stage_solution
+    return plan.predicted_time if refined or solution is None else solution.objective
 
 
 def _least_memory_error(err: MemoryBudgetError, plan_largest: Callable[[], Any]) -> Exception:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -530,6 +531,33 @@ class _StageModel:
             held_bytes=2 * params + job.residual_bytes,
         )
 
+    def cost_pinned(
+        self,
+        start: int,
+        end: int,
+        submesh: tuple[int, int],
+        logical: tuple[int, ...],
+        layout: str,
+        pins: dict[int, ShardingSpec],
+    ) -> StageCost | None:
+        """The cost of equations ``[start, end)`` with some ILP inputs (position -> layout)
+        held in given layouts, solved exactly (cached): a layer that shares parameters with a
+        later one re-planned to read them as that one does (``compose._shared_pairs``)."""
+        io = self._io(start, end)
+        key = (*io[5], submesh, logical, layout, "pinned", tuple(sorted(pins.items())))
+        if key not in self.cache:
+            job = self._job(io, submesh, logical, layout)
+            filters = list(job.filters or [None] * len(job.roles))
+            for k, spec in pins.items():
+                filters[k] = functools.partial(_pinned_to, spec, filters[k])
+            try:
+                plan = self._run(job, filters, False)
+            except ValueError:  # no layout of the preset is the pinned one
+                plan = None
+            ok = isinstance(plan, ShardingPlan)
+            self.cache[key] = self._stage_cost(io, job, plan) if ok else None
+        return self.cache[key]
+
     def memory_floor(
         self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...], layout: str
     ) -> tuple[float, float, float]:
@@ -596,6 +624,11 @@ class _StageJob:
     memory: float | None  # the ILP's budget: the stage's minus optimiser state
     state: float
     residual_bytes: float
+
+
+def _pinned_to(spec: ShardingSpec, also: Any, s: ShardingSpec) -> bool:
+    """The input filter of a pinned layout (and of the preset's own filter, if any)."""
+    return s == spec and (also is None or also(s))
 
 
 def _pins(opt: Any, graph: Any, roles: list[str], logical: tuple[int, ...]) -> list[Any]:

@@ -32,7 +32,14 @@ from ..options.pipeshard import (
 )
 from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
-from .compose import _composed_row, _composed_stage, _layer_table, _LayerTable, _refine_configs
+from .compose import (
+    _composed_row,
+    _composed_stage,
+    _layer_table,
+    _LayerTable,
+    _refine_configs,
+    align_shared,
+)
 from .layers import layer_starts_and_eps
 from .memory_screen import screen_memory
 from .micro_batch_search import Dominated
@@ -180,18 +187,13 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         problem=problem,
         solution=solution,
     )
-    if so.profiling == "individual":  # compose the chosen stages too: no new ILPs
-        chosen.composed = [
-            _composed_stage(
-                model,
-                tables[(st.submesh_index, st.config_index)],
-                starts,
-                ends,
-                st.layer_start,
-                st.layer_end,
-            )
-            for st in solution.stages
-        ]
+    if so.profiling == "individual":  # compose the chosen stages too
+        chosen.composed = []
+        for st in solution.stages:
+            si, ci, i, j = st.submesh_index, st.config_index, st.layer_start, st.layer_end
+            table = tables[(si, ci)]
+            align_shared(model, table, starts, ends, st.submesh_shape, configs[si][ci], i, j)
+            chosen.composed.append(_composed_stage(model, table, starts, ends, i, j))
         if so.refine:
             _prefetch_refinement(model, chosen, tables, starts, ends, configs)
     return chosen
@@ -278,6 +280,9 @@ def _uniform_stages(model, starts, ends) -> _Chosen:
     )
     if so.profiling == "individual":
         table = _layer_table(model, starts, ends, subs[0], chosen.logicals[0])
+        config = StageConfig(chosen.logicals[0], "auto")
+        for i, j in chosen.ranges:
+            align_shared(model, table, starts, ends, subs[0], config, i, j)
         composed = [_composed_stage(model, table, starts, ends, i, j) for i, j in chosen.ranges]
         budget = _budget(method, cluster)
         # A composed stage over the budget (held bytes plus its largest transient; see
