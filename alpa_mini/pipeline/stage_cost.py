@@ -541,8 +541,8 @@ class _StageModel:
         pins: dict[int, ShardingSpec],
     ) -> StageCost | None:
         """The cost of equations ``[start, end)`` with some ILP inputs (position -> layout)
-        held in given layouts, solved exactly (cached): a layer that shares parameters with a
-        later one re-planned to read them as that one does (``compose._shared_pairs``)."""
+        held in given layouts, solved exactly (cached): a layer that shares parameters with
+        another re-planned to read them as that one does (``compose.shared_pins``)."""
         io = self._io(start, end)
         key = (*io[5], submesh, logical, layout, "pinned", tuple(sorted(pins.items())))
         if key not in self.cache:
