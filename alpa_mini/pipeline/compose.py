@@ -169,25 +169,19 @@ def _host_load(cost: StageCost, k: int | None, v: Any, load: float) -> float:
 def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
     """``_row`` of the table, each range that holds an aligned pair (a, b) taken from that
     pair's aligned table where it is faster."""
-    row = _row(table, i)
+    return _best_row(table, i)[0]
+
+
+def _best_row(table: _LayerTable, i: int) -> tuple[list[StageCost | None], list[_LayerTable]]:
+    """``_composed_row`` and, per range, the table its composition comes from."""
+    row, source = _row(table, i), [table] * (len(table.costs) - i)
     for a, b, other in table.aligned:
         if a < i:
             continue
         for j, sc in enumerate(_row(other, i)[b - i :], start=b - i):
             if sc is not None and (row[j] is None or sc.latency < row[j].latency):
-                row[j] = sc
-    return row
-
-
-def _table_for(table: _LayerTable, i: int, j: int) -> _LayerTable:
-    """The table whose composition of layers ``i..j`` ``_composed_row`` keeps."""
-    best, cost = table, _row(table, i)[j - i]
-    for a, b, other in table.aligned:
-        if i <= a and b <= j:
-            sc = _row(other, i)[j - i]
-            if sc is not None and (cost is None or sc.latency < cost.latency):
-                best, cost = other, sc
-    return best
+                row[j], source[j] = sc, other
+    return row, source
 
 
 def _row(table: _LayerTable, i: int) -> list[StageCost | None]:
@@ -262,8 +256,8 @@ def _composed_stage(model, table: _LayerTable, starts, ends, i: int, j: int) -> 
     """The composed cost of layers ``i..j`` plus the layouts at the stage's edges: each value
     the stage reads takes the layout of the first layer that reads it; each value it hands on,
     its producer's."""
-    table = _table_for(table, i, j)
-    sc = _row(table, i)[j - i]
+    row, source = _best_row(table, i)
+    sc, table = row[j - i], source[j - i]
     if sc is None:
         return None
     stage = model.slice(starts[i], ends[j])
