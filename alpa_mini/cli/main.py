@@ -286,12 +286,6 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         for b, t in sorted(p.micro_batches_dominated):
             tried += f", B={b}: over {t * 1e3:.1f} ms (stopped at its bound)"
         console.print(f"micro-batch counts planned: {tried}")
-        ranked = dict(p.micro_batches_tried).get(planned.num_micro_batches)
-        if ranked is not None and planned.predicted_time < ranked * (1 - 1e-9):
-            console.print(
-                f"B={planned.num_micro_batches}'s stages re-planned where layers share "
-                f"parameters: {planned.predicted_time * 1e3:.1f} ms"
-            )
     console.print(
         f"planned in {p.total_seconds:.2f} s; ILPs solved {p.ilps_solved}"
         + (f" ({p.ilps_bounded} left at their LP bound)" if p.ilps_bounded else "")

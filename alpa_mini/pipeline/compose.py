@@ -30,6 +30,11 @@ class _LayerTable:
     # two share in the other's layouts, for ranges holding both where that beats resharding.
     aligned: list[tuple[int, int, _LayerTable]] = dataclasses.field(default_factory=list)
     pinned: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)  # (a, b, layer)
+    # (a, b, table): lower bounds of the aligned compositions of pairs not aligned yet
+    # (``bound_alignments``), so that the stage DP ranks ranges holding both readers as
+    # aligning them could; a range the DP picks from one is aligned and re-composed.
+    optimistic: list[tuple[int, int, _LayerTable]] = dataclasses.field(default_factory=list)
+    lower_bound: bool = False  # an optimistic table: its rows are bounds, not compositions
 
     def __post_init__(self) -> None:
         if not self.held:  # every composed row reads each layer's: worked out once
@@ -68,6 +73,31 @@ def align_shared(model, table: _LayerTable, starts, ends, sub, config, i: int, j
             table.aligned.append((a, b, _table_of(model, starts, ends, sub, logical, other)))
 
 
+def bound_alignments(model, table: _LayerTable, starts, ends, sub, config) -> None:
+    """Give ``table`` a lower bound of the aligned composition of each pair of readers of a
+    shared parameter not aligned yet: both readers freed. A re-planned reader's ILP only
+    gains a constraint, so its objective is at least the free one's (its gradient sync and
+    launches, priced outside the ILP, are left out); what it hands to or takes from its
+    neighbours costs at least nothing to reshard, less the most host load it could have been
+    charged (``_table_of``'s ``free``); and it holds at least its memory floor."""
+    logical, layout = config
+    aligned = {(a, b) for a, b, _ in table.pinned}
+    pairs = sorted({(a, b) for a, b, _, _ in shared_pins(model, starts, ends, table.costs)})
+    for a, b in pairs:
+        if (a, b) in aligned:
+            continue
+        costs = list(table.costs)
+        for x in (a, b):
+            c = costs[x]
+            held = model.memory_floor(starts[x], ends[x], sub, logical, layout)[0]
+            ilp = 0.0 if c.plan is None else c.plan.predicted_time
+            costs[x] = dataclasses.replace(
+                c, latency=ilp, peak_memory=0.0, plan=None, bound=True, held_bytes=held
+            )
+        lb = _table_of(model, starts, ends, sub, logical, costs, free=frozenset((a, b)))
+        table.optimistic.append((a, b, dataclasses.replace(lb, lower_bound=True)))
+
+
 def shared_pins(model, starts, ends, costs) -> list[tuple[int, int, int, dict[int, Any]]]:
     """Parameters read by several layers (a tied embedding): per first and next reader
     (a, b), each of the two re-planned to read them in the other's layouts, as (a, b, the
@@ -89,8 +119,12 @@ def shared_pins(model, starts, ends, costs) -> list[tuple[int, int, int, dict[in
     return [(a, b, x, p) for (a, b, x), p in pins.items()]
 
 
-def _table_of(model, starts, ends, sub, logical, costs: list[StageCost | None]) -> _LayerTable:
-    """The layer table of these per-layer costs: what values handed between layers cost."""
+def _table_of(
+    model, starts, ends, sub, logical, costs: list[StageCost | None], free=frozenset()
+) -> _LayerTable:
+    """The layer table of these per-layer costs: what values handed between layers cost.
+    Layers in ``free`` may still change layouts: what they hand or take is priced at its
+    least (no resharding, the largest host-load credit), for ``bound_alignments``."""
     L = len(starts)
     cm = model.cost_model(sub, logical)
     producer: dict[Any, tuple[int, int]] = {}
@@ -115,11 +149,13 @@ def _table_of(model, starts, ends, sub, logical, costs: list[StageCost | None]) 
                 continue
             # Handed over inside a stage, v (and its cotangent, back) never crosses from the
             # host, though each layer's ILP priced it so (shard.problem._input_strategies).
-            t = -_host_load(cb, ilp_in[b].get((v, False)), v, load)
+            t = -_host_load(cb, ilp_in[b].get((v, False)), v, load, b in free)
             if (v, True) in ilp_in[a] and v not in credited:
                 credited.add(v)
-                t -= _host_load(ca, ilp_in[a][(v, True)], v, load)
-            if ca.out_specs[o] is not None and cb.in_specs[k] is not None:
+                t -= _host_load(ca, ilp_in[a][(v, True)], v, load, a in free)
+            # (A freed layer may take or hand it in any layout: no resharding.)
+            fixed = a not in free and b not in free
+            if fixed and ca.out_specs[o] is not None and cb.in_specs[k] is not None:
                 src, dst = ca.out_specs[o], cb.in_specs[k]
                 shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
                 t += cm.reshard(shape, size, src, dst)
@@ -127,14 +163,17 @@ def _table_of(model, starts, ends, sub, logical, costs: list[StageCost | None]) 
                     t += cm.reshard(shape, size, dst, src)
             if t != 0:
                 into[b].append((a, t))
-    _shared_params(model, starts, ends, costs, cm, into)
+    _shared_params(model, starts, ends, costs, cm, into, free)
     return _LayerTable(costs, into)
 
 
-def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, float]]]) -> None:
+def _shared_params(
+    model, starts, ends, costs, cm, into: list[list[tuple[int, float]]], free=frozenset()
+) -> None:
     """A parameter read by several layers (a tied embedding) enters a stage once, in one
     layout: each layer after the first that reads it inside the range takes it from the
-    previous reader's layout, and hands its gradient contribution back to be added there."""
+    previous reader's layout, and hands its gradient contribution back to be added there
+    (priced at nothing where either reader is ``free``)."""
     last: dict[Any, tuple[int, ShardingSpec]] = {}
     for b in range(len(starts)):
         cb = costs[b]
@@ -147,6 +186,8 @@ def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, fl
             if prev is None:
                 continue
             a, src = prev
+            if a in free or b in free:
+                continue
             dst = cb.in_specs[k]
             shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
             n = math.prod(shape)
@@ -155,11 +196,16 @@ def _shared_params(model, starts, ends, costs, cm, into: list[list[tuple[int, fl
             into[b].append((a, there_and_back + add))
 
 
-def _host_load(cost: StageCost, k: int | None, v: Any, load: float) -> float:
+def _host_load(cost: StageCost, k: int | None, v: Any, load: float, most: bool = False) -> float:
     """Seconds a layer ILP charged its input ``k`` (the value ``v``, or its cotangent) for
     arriving from the host: its bytes per device at ``load`` s/byte. An LP bound's cell
-    charged none (its bound leaves such inputs' load out: ``StageCost.bound``)."""
-    if cost.plan is None or k is None:
+    charged none (its bound leaves such inputs' load out: ``StageCost.bound``). ``most``: the
+    most any layout could be charged (``v`` unsharded)."""
+    if k is None:
+        return 0.0
+    if most:
+        return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize * load
+    if cost.plan is None:
         return 0.0
     spec = cost.plan.tensors[cost.plan.inputs[k]].spec
     shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
@@ -173,15 +219,24 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
 
 
 def _best_row(table: _LayerTable, i: int) -> tuple[list[StageCost | None], list[_LayerTable]]:
-    """``_composed_row`` and, per range, the table its composition comes from."""
+    """``_composed_row`` and, per range, the table its composition comes from (an
+    optimistic one's rows are bounds: ``needs_alignment``)."""
     row, source = _row(table, i), [table] * (len(table.costs) - i)
-    for a, b, other in table.aligned:
+    aligned = {(a, b) for a, b, _ in table.pinned}
+    optimistic = [t for t in table.optimistic if (t[0], t[1]) not in aligned]
+    for a, b, other in (*table.aligned, *optimistic):
         if a < i:
             continue
         for j, sc in enumerate(_row(other, i)[b - i :], start=b - i):
             if sc is not None and (row[j] is None or sc.latency < row[j].latency):
                 row[j], source[j] = sc, other
     return row, source
+
+
+def needs_alignment(table: _LayerTable, i: int, j: int) -> bool:
+    """Whether the cost of layers ``i..j`` in ``table`` is an aligned composition's lower
+    bound (``bound_alignments``), which ``align_shared`` turns into the composition."""
+    return _best_row(table, i)[1][j - i].lower_bound
 
 
 def _row(table: _LayerTable, i: int) -> list[StageCost | None]:

@@ -325,12 +325,9 @@ def _searched(
 
 
 def _ranked_time(plan: PipeshardPlan, method: PipeshardParallel) -> float:
-    """The time the micro-batch search ranks a count by: its stage DP's objective, unless the
-    chosen stages were refined whole. The DP prices composed stages; the chosen ones may then
-    re-plan layers that share parameters (``compose.align_shared``), which only lowers the
-    plan's predicted time, and which the bounds of counts stopped early never priced. So
-    counts compare as the DP priced them, and a count stopped at its bound could not have
-    won."""
+    """The time the micro-batch search ranks a count by: its stage DP's objective, which is
+    what counts stopped at their bound are compared with, unless the chosen stages were
+    refined whole (which only lowers the plan's predicted time)."""
     refined = getattr(method.stage_option, "refine", False)
     solution = plan.stage_solution
     return plan.predicted_time if refined or solution is None else solution.objective

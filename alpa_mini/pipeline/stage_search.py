@@ -39,6 +39,8 @@ from .compose import (
     _LayerTable,
     _refine_configs,
     align_shared,
+    bound_alignments,
+    needs_alignment,
 )
 from .layers import layer_starts_and_eps
 from .memory_screen import screen_memory
@@ -191,9 +193,9 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         chosen.composed = []
         for st in solution.stages:
             si, ci, i, j = st.submesh_index, st.config_index, st.layer_start, st.layer_end
-            table = tables[(si, ci)]
-            align_shared(model, table, starts, ends, st.submesh_shape, configs[si][ci], i, j)
-            chosen.composed.append(_composed_stage(model, table, starts, ends, i, j))
+            # (Aligned already where the stage holds both readers of a shared parameter:
+            # _settled_dp.)
+            chosen.composed.append(_composed_stage(model, tables[(si, ci)], starts, ends, i, j))
         if so.refine:
             _prefetch_refinement(model, chosen, tables, starts, ends, configs)
     return chosen
@@ -203,9 +205,11 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
     """The stage DP's problem and best slicing, with every layer of the chosen stages solved
     exactly. A cell whose layer MIP was deferred holds its LP bound (``StageCost.bound``),
     which can only flatter it; while the DP's best slicing uses such cells, they are solved
-    exactly and the DP re-run. A slicing of exact cells that is best against bounds is best
-    outright, so the MIPs it never needs are never branched on. (Cells it never used keep
-    their bounds in the returned problem's table.)"""
+    exactly and the DP re-run. Likewise a range holding both readers of a shared parameter
+    holds a bound of aligning them (``compose.bound_alignments``) until the DP picks it and
+    ``align_shared`` re-plans them. A slicing of exact cells that is best against bounds is
+    best outright, so the MIPs it never needs are never branched on. (Cells it never used
+    keep their bounds in the returned problem's table.)"""
     budget = _budget(model.method, model.cluster)
     beat = math.inf if model.method.stage_option.refine else BEAT.get()
     while True:
@@ -222,15 +226,34 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
                 if (c := tables[(si, ci)].costs[k]) is not None and c.bound:
                     requests.append((starts[k], ends[k], st.submesh_shape, configs[si][ci]))
                     stale[(si, ci)] = st.submesh_shape
-        if not requests:
-            return problem, solution
-        model.settle(requests)
+        if requests:  # bound layers first: re-composing their tables re-bounds alignments
+            model.settle(requests)
+        else:
+            stale = _align_chosen(model, solution, tables, starts, ends, configs)
+            if not stale:
+                return problem, solution
         cost, succ = problem.cost.copy(), problem.max_succ.copy()
         for (si, ci), sub in stale.items():
             cost[:, :, si, ci], succ[:, :, si, ci] = np.inf, 0
-            fresh = _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
+            if requests:
+                fresh = _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
+            else:
+                fresh = _table_entries(model, tables[(si, ci)], sub, si, ci, configs, entries)
             _fill_cells(cost, succ, fresh.items(), budget)
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
+
+
+def _align_chosen(model, solution, tables, starts, ends, configs) -> dict:
+    """Align the readers of shared parameters in the chosen stages whose cost is a bound of
+    doing so: the (submesh, config) tables changed, with their submesh shapes."""
+    stale = {}
+    for st in solution.stages:
+        si, ci, i, j = st.submesh_index, st.config_index, st.layer_start, st.layer_end
+        if needs_alignment(tables[(si, ci)], i, j):
+            align_shared(model, tables[(si, ci)], starts, ends, st.submesh_shape,
+                         configs[si][ci], i, j)  # fmt: skip
+            stale[(si, ci)] = st.submesh_shape
+    return stale
 
 
 def _prefetch_refinement(model, chosen: _Chosen, tables, starts, ends, configs) -> None:
@@ -409,8 +432,16 @@ def _config_entries(model, starts, ends, sub, si: int, ci: int, configs, entries
     replace that config's in ``entries`` and are returned."""
     logical, layout = configs[si][ci]
     table = tables[(si, ci)] = _layer_table(model, starts, ends, sub, logical, layout)
+    bound_alignments(model, table, starts, ends, sub, configs[si][ci])
+    return _table_entries(model, table, sub, si, ci, configs, entries)
+
+
+def _table_entries(model, table, sub, si: int, ci: int, configs, entries) -> dict:
+    """The cost entries composed from submesh ``si``'s config ``ci``'s layer table, which
+    replace that config's in ``entries`` and are returned."""
+    logical = configs[si][ci].shape
     fresh = {}
-    for i in range(len(starts)):
+    for i in range(len(table.costs)):
         for j, sc in enumerate(_composed_row(table, i), start=i):
             entries.pop((i, j, si, ci), None)
             if sc is not None:
