@@ -74,27 +74,32 @@ def align_shared(model, table: _LayerTable, starts, ends, sub, config, i: int, j
 
 
 def bound_alignments(model, table: _LayerTable, starts, ends, sub, config) -> None:
-    """Give ``table`` a lower bound of the aligned composition of each pair of readers of a
-    shared parameter not aligned yet: both readers freed. A re-planned reader's ILP only
-    gains a constraint, so its objective is at least the free one's (its gradient sync and
-    launches, priced outside the ILP, are left out); what it hands to or takes from its
-    neighbours costs at least nothing to reshard, less the most host load it could have been
-    charged (``_table_of``'s ``free``); and it holds at least its memory floor."""
+    """Give ``table`` lower bounds of the aligned compositions ``align_shared`` would make for
+    each pair of readers of a shared parameter not aligned yet: per reader it would re-plan,
+    that reader freed. Its ILP only gains a constraint, so its objective is at least the free
+    one's (a gradient sync priced outside the ILP, ``gradient_sync="after"``, is left out;
+    its kernels' launches stay the same); what it hands to or takes from its neighbours
+    costs at least nothing to reshard, less the most host load it could have been charged
+    (``_table_of``'s ``free``); and it holds at least its memory floor. The other reader and
+    every other layer keep their plans."""
     logical, layout = config
     aligned = {(a, b) for a, b, _ in table.pinned}
-    pairs = sorted({(a, b) for a, b, _, _ in shared_pins(model, starts, ends, table.costs)})
-    for a, b in pairs:
+    for a, b, x, _ in shared_pins(model, starts, ends, table.costs):
         if (a, b) in aligned:
             continue
+        c = table.costs[x]
+        held = model.memory_floor(starts[x], ends[x], sub, logical, layout)[0]
+        if c.plan is None:
+            ilp = 0.0
+        elif model.method.gradient_sync == "ilp":  # the sync is in the ILP's objective
+            ilp = c.latency
+        else:
+            ilp = c.plan.predicted_time
         costs = list(table.costs)
-        for x in (a, b):
-            c = costs[x]
-            held = model.memory_floor(starts[x], ends[x], sub, logical, layout)[0]
-            ilp = 0.0 if c.plan is None else c.plan.predicted_time
-            costs[x] = dataclasses.replace(
-                c, latency=ilp, peak_memory=0.0, plan=None, bound=True, held_bytes=held
-            )
-        lb = _table_of(model, starts, ends, sub, logical, costs, free=frozenset((a, b)))
+        costs[x] = dataclasses.replace(
+            c, latency=ilp, peak_memory=0.0, plan=None, bound=True, held_bytes=held
+        )
+        lb = _table_of(model, starts, ends, sub, logical, costs, free=frozenset((x,)))
         table.optimistic.append((a, b, dataclasses.replace(lb, lower_bound=True)))
 
 
@@ -220,17 +225,32 @@ def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:
 
 def _best_row(table: _LayerTable, i: int) -> tuple[list[StageCost | None], list[_LayerTable]]:
     """``_composed_row`` and, per range, the table its composition comes from (an
-    optimistic one's rows are bounds: ``needs_alignment``)."""
+    optimistic one's rows are bounds: ``needs_alignment``). A pair not aligned yet offers
+    the least latency and the least memory of its bounds, which is below whichever aligned
+    composition ``align_shared`` then keeps."""
     row, source = _row(table, i), [table] * (len(table.costs) - i)
     aligned = {(a, b) for a, b, _ in table.pinned}
-    optimistic = [t for t in table.optimistic if (t[0], t[1]) not in aligned]
-    for a, b, other in (*table.aligned, *optimistic):
-        if a < i:
-            continue
-        for j, sc in enumerate(_row(other, i)[b - i :], start=b - i):
+    bounds: dict[tuple[int, int], list[_LayerTable]] = {}
+    for a, b, lb in table.optimistic:
+        if (a, b) not in aligned and a >= i:
+            bounds.setdefault((a, b), []).append(lb)
+    offers = [(a, b, other, _row(other, i)) for a, b, other in table.aligned if a >= i]
+    for (a, b), lbs in bounds.items():
+        least = [_least(cells) for cells in zip(*(_row(lb, i) for lb in lbs), strict=True)]
+        offers.append((a, b, lbs[0], least))
+    for _, b, other, offered in offers:
+        for j, sc in enumerate(offered[b - i :], start=b - i):
             if sc is not None and (row[j] is None or sc.latency < row[j].latency):
                 row[j], source[j] = sc, other
     return row, source
+
+
+def _least(cells: tuple[StageCost | None, ...]) -> StageCost | None:
+    """The least latency and the least peak memory of these bounds of one range."""
+    if any(c is None for c in cells):
+        return None
+    fastest = min(cells, key=lambda c: c.latency)  # type: ignore[union-attr]
+    return dataclasses.replace(fastest, peak_memory=min(c.peak_memory for c in cells))  # type: ignore[union-attr]
 
 
 def needs_alignment(table: _LayerTable, i: int, j: int) -> bool:

@@ -59,25 +59,27 @@ def test_an_aligned_stage_runs_and_equals_serial_jax(four_devices):
     assert ex.plan.num_stages == 1 and ex.plan.stages[0].inner_specs
 
 
-def test_the_alignment_bound_is_below_every_aligned_composition(monkeypatch, four_devices):
-    """``bound_alignments``' rows, which the stage DP ranks ranges holding both readers by
-    until it picks one, are below the compositions ``align_shared`` then makes: latency and
-    memory, for every range holding both readers, on every mesh of the table."""
-    checked = []
+def test_the_alignment_bound_is_below_the_aligned_composition(monkeypatch, four_devices):
+    """What the stage DP ranks a range holding both readers by until it picks the range
+    (``bound_alignments``' least latency and memory) is below the composition
+    ``align_shared`` then makes, for every such range on every mesh of the table."""
+    gaps = []
     real = stage_search.bound_alignments
 
     def checking(model, table, starts, ends, sub, config):
         real(model, table, starts, ends, sub, config)
-        L = len(starts)
-        for a, b, lb in list(table.optimistic):
-            compose.align_shared(model, table, starts, ends, sub, config, 0, L - 1)
-            for i in range(a + 1):
-                bounds = compose._row(lb, i)
-                for _, _, aligned in table.aligned:
-                    for j, sc in enumerate(compose._row(aligned, i)[b - i :], start=b):
-                        assert bounds[j - i].latency <= sc.latency + 1e-12
-                        assert bounds[j - i].memory(3) <= sc.memory(3) + 1e-6
-                        checked.append(sc.latency - bounds[j - i].latency)
+        if not table.optimistic:
+            return
+        a, b = table.optimistic[0][:2]
+        before = {i: compose._best_row(table, i)[0] for i in range(a + 1)}
+        assert all(r[b - i].bound for i, r in before.items())
+        compose.align_shared(model, table, starts, ends, sub, config, 0, len(starts) - 1)
+        for i, bounds in before.items():
+            for j, sc in enumerate(compose._best_row(table, i)[0][b - i :], start=b - i):
+                assert not sc.bound
+                assert bounds[j].latency <= sc.latency + 1e-12
+                assert bounds[j].memory(3) <= sc.memory(3) + 1e-6
+                gaps.append(sc.latency - bounds[j].latency)
 
     monkeypatch.setattr(stage_search, "bound_alignments", checking)
     loss, params, data = _gpt_case(marks=True)
@@ -85,7 +87,7 @@ def test_the_alignment_bound_is_below_every_aligned_composition(monkeypatch, fou
     step = make_train_step(loss, opt, alpa_mini.value_and_grad)
     method = PipeshardParallel(num_micro_batches=2)
     alpa_mini.plan(step, params, opt.init(params), data, method=method)
-    assert len(checked) >= 10 and max(checked) > 0
+    assert len(gaps) >= 5 and max(gaps) > 0
 
 
 def test_the_stage_dp_ranks_a_stage_holding_both_readers_as_aligned(four_devices):
