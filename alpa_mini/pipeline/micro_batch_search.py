@@ -8,13 +8,14 @@ counts that fit are a suffix; and the predicted iteration time over them first f
 smaller pipeline bubble, (S - 1) / B of the step) and then rises (micro-batches too small to
 keep devices busy, more launches). So comparing neighbours ``B`` and ``2B`` says on which
 side the best lies, in about ``2 log2(k)`` plans for ``k`` candidates; where a count already
-planned on either side was faster, that says it without planning the neighbour. Once the
-fastest count so far is the smallest left in the range (the smallest that fits, say), its
-upper neighbour is planned next: where it is slower the search ends there, as it often does
-(GPT-3 1.3B on 4 GPUs plans 64, 32, which does not fit, and 128); where it is faster the
-bisection goes on above it (GPT-39B's plans 64, 32, 128, then 256, slower than 128, so
-that 512 is never planned). Every plan made is kept in the record, and the fastest of them
-is returned even where the curve is not unimodal.
+planned on either side was faster, that says it without planning the neighbour (GPT-39B's
+search plans 64, 32, 256, then 128 alone, as 64 beat 256). Where the fastest count so far
+is the smallest that fits, its upper neighbour is planned next: a plan held back by memory
+(one stage, say) is often best at the largest micro-batch it fits, so where the neighbour
+is slower the search ends there (GPT-3 1.3B on 4 GPUs plans 64, 32, which does not fit,
+and 128, not 256 as well); where it is faster the bisection goes on above it. Every plan
+made is kept in the record, and the fastest of them is returned even where the curve is
+not unimodal.
 
 Two more facts save planning. Each count is planned against the fastest so far (``beat``):
 without refinement a plan's predicted time is its stage DP's objective, and the DP over the
@@ -101,9 +102,12 @@ def search_micro_batches(
     lo, hi = 0, len(candidates) - 1
     probed = False
     while lo < hi:
-        if not probed and best and best[0][1] == candidates[lo]:
-            # The fastest so far is the smallest count left (often the smallest that fits):
-            # its upper neighbour says at once whether the curve rises from there.
+        below = results.get(candidates[lo - 1]) if lo else None
+        smallest = below is None or isinstance(below, ValueError)
+        if not probed and best and best[0][1] == candidates[lo] and smallest:
+            # The fastest so far is the smallest count that fits (nothing fits below it, or
+            # nothing was planned there): its upper neighbour says at once whether the curve
+            # rises from there.
             probed = True
             if not seconds(lo + 1) < seconds(lo):
                 break

@@ -107,16 +107,16 @@ def _plain_bisection_plans(curve: list[float]) -> int:
 def test_gpt_39b_plans_four_counts_two_of_them_stopped_at_their_bound():
     """GPT-39B's curve on 8x8 A100s (seconds per iteration, from the defaults table; no fit
     below 32, 30 s at 1024). Nothing has fitted yet, so the first pair's upper count 64 goes
-    first; then 32 (slower than 64: its plan stops at its bound), 64's upper neighbour 128
-    (faster) and the middle of the rest, 256 (slower than 128), which puts the best at 128
-    without planning 512."""
+    first; then 32, the middle 256 (both slower than 64: their plans stop at their bound)
+    and 128. 256 being slower than 64 puts the best below 256 without planning 512. (32
+    fits, so 64 is not the smallest count that fits and its neighbour is not probed.)"""
     curve = [math.inf] * 5 + [70.38, 25.32, 24.85, 26.08, 28.21, 30.0]
     calls: list[int] = []
     _, best, tried, dominated = search_micro_batches(
         [2**i for i in range(11)], _planner(curve, calls, stop=True)
     )
     assert best == 128
-    assert calls == [64, 32, 128, 256]
+    assert calls == [64, 32, 256, 128]
     assert [b for b, _ in dominated] == [32, 256] and [b for b, _ in tried] == [64, 128]
     assert _plain_bisection_plans(curve) == 5
 
