@@ -65,9 +65,9 @@ from helpers.parallel_cases import (
     train_step,
 )
 
-# fp32 agreement with serial JAX is what this module is for: it runs with XLA's default
-# CPU codegen, not the suite's fast-compile flags (tests/conftest.py: TEST_XLA_FLAGS).
-pytestmark = pytest.mark.default_codegen
+# fp32 agreement with serial JAX is what this module is for: it runs with LLVM at its default
+# optimisation level, not -O0 (tests/conftest.py: NUMERICS_XLA_FLAGS, TEST_XLA_FLAGS).
+pytestmark = pytest.mark.optimized_codegen
 
 SGD_RTOL, SGD_ATOL = 1e-5, 1e-7
 LOSS_RTOL, LOSS_ATOL = 1e-6, 1e-7
