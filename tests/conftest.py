@@ -71,20 +71,21 @@ def devices8():
 
 
 #: Test modules that take the most worker time in the whole suite, longest first (seconds
-#: on two loaded workers with the fast-compile flags, `pytest -n 2 --dist loadscope
-#: --durations=150`, 2026-11-27). The whole suite runs with `--dist loadscope
-#: --no-loadscope-reorder`: one module per worker at a time, in collection order, so the long
-#: modules start first and the short ones fill the gaps (longest-processing-time-first)
-#: instead of one long module starting last.
+#: on two loaded workers with the fast-compile flags, `./scripts/test --durations=0` on a
+#: fresh clone, 2026-11-27 night: 434 s for the first session). The whole suite runs with
+#: `--dist loadscope --no-loadscope-reorder`: one module per worker at a time, in collection
+#: order, so the long modules start first and the short ones fill the gaps
+#: (longest-processing-time-first) instead of one long module starting last. (Three workers
+#: on the two cores took as long, 430 s: the suite is CPU-bound.)
 LONGEST_FIRST = (
-    "tests/runtime/test_ray_runtime.py",  # ~200 s: a Ray session, a 3-host mesh, a Ray job
-    "tests/pipeline/test_pipeshard.py",  # ~150 s
-    "tests/e2e/test_notebooks.py",  # ~95 s
-    "tests/e2e/test_ray_recovery.py",  # ~70 s
-    "tests/runtime/test_ray_setup.py",  # ~70 s
-    "tests/pipeline/test_grad_sync.py",  # ~40 s
-    "tests/pipeline/test_stage_definition.py",  # ~40 s
+    "tests/runtime/test_ray_runtime.py",  # ~160 s: a Ray session, a 3-host mesh, a Ray job
+    "tests/pipeline/test_pipeshard.py",  # ~105 s
+    "tests/runtime/test_ray_setup.py",  # ~65 s
+    "tests/e2e/test_ray_recovery.py",  # ~65 s
+    "tests/e2e/test_notebooks.py",  # ~65 s
     "tests/e2e/test_cli.py",  # ~35 s
+    "tests/pipeline/test_stage_definition.py",  # ~30 s
+    "tests/pipeline/test_grad_sync.py",  # ~25 s
 )
 
 
