@@ -27,10 +27,12 @@ NUMERICS_XLA_FLAGS = (
     "--xla_cpu_parallel_codegen_split_count=1"
 )
 TEST_XLA_FLAGS = f"--xla_backend_optimization_level=0 {NUMERICS_XLA_FLAGS}"
-_SESSION_FLAGS = {"1": TEST_XLA_FLAGS, "numerics": NUMERICS_XLA_FLAGS}
-FAST_COMPILE = os.environ.get("ALPA_MINI_FAST_COMPILE") == "1"
-if (flags := _SESSION_FLAGS.get(os.environ.get("ALPA_MINI_FAST_COMPILE", ""))) is not None:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+_SESSION_FLAGS = {"": "", "1": TEST_XLA_FLAGS, "numerics": NUMERICS_XLA_FLAGS}
+_SESSION = os.environ.get("ALPA_MINI_FAST_COMPILE", "")
+if _SESSION not in _SESSION_FLAGS:
+    raise ValueError(f"ALPA_MINI_FAST_COMPILE: {_SESSION!r} is not one of '1', 'numerics' or unset")
+FAST_COMPILE = _SESSION == "1"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SESSION_FLAGS[_SESSION]}".strip()
 NUM_TEST_DEVICES = 8
 
 try:
