@@ -14,6 +14,8 @@ A step is traced twice (``trace_with_grads``):
    staged programs); for ShardParallel it sums gradients over micro-batches in a ``lax.scan``.
 
 The step's jaxpr is then "everything before the gradient" + the gradient + "apply gradient".
+For the pipeline, a step whose losses read only its inputs and their own arguments is
+traced once instead (``direct_trace``): the record pass would fold nothing.
 """
 
 from __future__ import annotations
@@ -95,12 +97,18 @@ class TracedStep:
 
 @dataclass
 class _Recorder:
-    mode: Literal["record", "pipeline", "accumulate"]
+    mode: Literal["record", "pipeline", "accumulate", "direct"]
     num_micro_batches: int
     captures: Sequence[GradCapture] = ()
     recorded: list[Recorded] = field(default_factory=list)
     step_inputs: Sequence[Any] = ()
     calls: int = 0
+    # "direct" (``direct_trace``): the step's inputs on one micro-batch, their roles, and
+    # per call so far its recipe and loss name.
+    micro: Sequence[Any] = ()
+    roles: Sequence[str] = ()
+    recipes: list[Any] = field(default_factory=list)
+    loss_names: list[str] = field(default_factory=list)
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -157,6 +165,13 @@ def trace_with_grads(
         # this count's shapes (not the whole step, optimiser update included).
         micro = _micro_avals(avals, roles, num_micro_batches, names)
         captures = tuple(r.capture(micro, roles, num_micro_batches) for r in recipes)
+    elif mode == "pipeline" and earlier is None:
+        from .direct_trace import NotDirect, trace_direct
+
+        try:  # once, where every loss reads only step inputs and its own arguments
+            return trace_direct(fun, avals, roles, num_micro_batches, names)
+        except NotDirect:
+            captures, recipes = record_grads(fun, avals, roles, num_micro_batches, names)
     else:
         captures, recipes = record_grads(fun, avals, roles, num_micro_batches, names)
     if (
@@ -293,6 +308,10 @@ def recorder_value_and_grad(
     rec.calls += 1
     if rec.mode == "record":
         outs, aux_tree = _record(rec, fun, has_aux, nums, b, args)
+    elif rec.mode == "direct":
+        from .direct_trace import direct_call
+
+        outs, aux_tree = direct_call(rec, fun, has_aux, nums, b, args)
     else:
         if index >= len(rec.captures):
             raise RuntimeError(

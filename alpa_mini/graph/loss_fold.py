@@ -42,7 +42,14 @@ class LossRecipe:
 
     def capture(self, micro: Sequence[Any], roles: Sequence[str], count: int) -> GradCapture:
         """The capture at ``count``, given the step's input avals on one micro-batch."""
+        loss, _ = self.trace(micro)
+        return _capture(loss, self.sources, roles, count, self.aux_tree)
+
+    def trace(self, micro: Sequence[Any]) -> tuple[ClosedJaxpr, Any]:
+        """The folded loss over (differentiated leaves, step inputs on one micro-batch) and
+        its aux tree."""
         n_diff = len(self.diff_avals)
+        aux_trees: list[Any] = []
 
         def folded(*values: Any) -> list[Any]:
             by_step = dict(zip(self.step_ins, values[n_diff:], strict=True))
@@ -53,12 +60,13 @@ class LossRecipe:
             ]
             out = self.fun(*jax.tree.unflatten(self.in_tree, flat))
             value, aux = out if self.has_aux else (out, None)
-            return [value, *jax.tree.leaves(aux)]
+            aux_leaves, tree = jax.tree.flatten(aux)
+            aux_trees.append(tree)
+            return [value, *aux_leaves]
 
         avals = [*self.diff_avals]
         avals += [jax.ShapeDtypeStruct(micro[k].shape, micro[k].dtype) for k in self.step_ins]
-        loss = jax.make_jaxpr(folded)(*avals)
-        return _capture(loss, self.sources, roles, count, self.aux_tree)
+        return jax.make_jaxpr(folded)(*avals), aux_trees[-1]
 
 
 def fold_loss(

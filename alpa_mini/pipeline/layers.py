@@ -8,6 +8,7 @@ flops, fewest bytes crossing a cut). A stage is a contiguous range of layers (``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -107,6 +108,40 @@ def cluster_layer_starts(
     return tuple(int(s) for s in result.layer_starts), used
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _cached_text(aval: Any) -> str:
+    return aval.str_short()
+
+
+def _aval_text(aval: Any) -> str:
+    """``aval.str_short()``, which layer hashes spell every variable with: most of their
+    time uncached, while a model has few distinct avals."""
+    try:
+        return _cached_text(aval)
+    except TypeError:  # an unhashable abstract value
+        return aval.str_short()
+
+
+_LITERAL_TEXT: dict[tuple[type, str, tuple[int, ...], bytes], str] = {}
+
+
+def _literal_text(val: Any) -> str:
+    """``repr`` of a literal's value, cached by type, dtype, shape and bytes (numpy's printing is
+    slow and a model has few distinct literals; equal floats such as 0.0 and -0.0 print
+    differently, so value equality is not the key)."""
+    try:
+        arr = np.asarray(val)
+        key = (type(val), str(getattr(val, "dtype", "")), arr.shape, arr.tobytes())
+    except (TypeError, ValueError):
+        return repr(val)
+    text = _LITERAL_TEXT.get(key)
+    if text is None:
+        if len(_LITERAL_TEXT) >= 1 << 12:
+            _LITERAL_TEXT.clear()
+        text = _LITERAL_TEXT[key] = repr(val)
+    return text
+
+
 def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
     """A structural hash of a run of equations and the values it hands on: equal for layers
     that differ only in which variables they read (the same block on other parameters)."""
@@ -114,9 +149,9 @@ def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any
 
     def name(v: Any) -> str:
         if isinstance(v, Literal):
-            return f"lit({v.val!r}:{v.aval.str_short()})"
+            return f"lit({_literal_text(v.val)}:{_aval_text(v.aval)})"
         if v not in names:
-            names[v] = f"v{len(names)}:{v.aval.str_short()}"
+            names[v] = f"v{len(names)}:{_aval_text(v.aval)}"
         return names[v]
 
     parts = [",".join(name(v) for v in invars)]

@@ -310,6 +310,10 @@ class _StageModel:
             return f
 
         nd_n = len(diff_in)
+        # The residuals the forward keeps for the backward: the leaves of the vjp function,
+        # read while tracing ``train`` (one trace, where a second ``eval_shape`` of the
+        # forward alone would cost as much again).
+        res_bytes: list[float] = []
 
         def train(*args: Any) -> list[Any]:
             d, nd, cts = (
@@ -318,12 +322,9 @@ class _StageModel:
                 args[nd_n + len(nondiff_in) :],
             )
             outs_d, vjp_fn, outs_nd = jax.vjp(f_of(nd), *d, has_aux=True)
+            res_bytes.append(sum(_nbytes(jax.typeof(x)) for x in jax.tree.leaves(vjp_fn)))
             grads = vjp_fn(list(cts))
             return [*outs_d, *outs_nd, *grads]
-
-        def residuals(*args: Any) -> Any:
-            d, nd = args[:nd_n], args[nd_n:]
-            return jax.vjp(f_of(nd), *d, has_aux=True)[1]
 
         avals = [
             jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
@@ -342,9 +343,7 @@ class _StageModel:
             for v in diff_in
             if v in self.loss_in and self.capture.diff[self.loss_in[v]]
         )
-        res_tree = jax.eval_shape(residuals, *avals[: nd_n + len(nondiff_in)])
-        res_bytes = sum(_nbytes(x) for x in jax.tree.leaves(res_tree))
-        out = self._graphs[io[5]] = (graph, res_bytes, param_bytes)
+        out = self._graphs[io[5]] = (graph, res_bytes[0], param_bytes)
         with self._lock:
             self.stats.graph_seconds += time.perf_counter() - t0
         return out

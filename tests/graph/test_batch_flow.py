@@ -191,6 +191,47 @@ def _traced_at_two_counts(step, avals, roles):
     return first, again, recorded
 
 
+def test_a_step_whose_losses_read_its_inputs_is_traced_once_as_record_and_replay_would(
+    monkeypatch,
+):
+    """Every loss reads step inputs as they are: the first count traces the step once
+    (``direct_trace``), and its step jaxpr and captures equal those of the record pass and
+    replay equation for equation; a loss of a value the step computed falls back to them."""
+    import alpa_mini.graph.direct_trace as direct
+    from alpa_mini.graph.grad_capture import trace_with_grads
+    from alpa_mini.models import adam, make_train_step
+    from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+    params, batch = marked_mlp_args(2, 8, 16)
+    opt = adam(0.1)
+    args = (params, opt.init(params), batch)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
+    n_state = len(jax.tree.leaves(args[:2]))
+    roles = ["param"] * n_state + ["batch"] * (len(avals) - n_state)
+    calls = []
+
+    def step(*leaves):
+        calls.append(1)
+        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
+        return make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)(p, s, b)
+
+    once = trace_with_grads(step, avals, roles, 4, "pipeline")
+    assert len(calls) == 1 and all(r is not None for r in once.recipes)
+
+    def refuse(*a, **k):
+        raise direct.NotDirect
+
+    monkeypatch.setattr(direct, "trace_direct", refuse)
+    twice = trace_with_grads(step, avals, roles, 4, "pipeline")
+    assert len(calls) == 3
+    assert str(once.closed) == str(twice.closed)
+    for got, want in zip(once.captures, twice.captures, strict=True):
+        assert (got.sources, got.diff, got.batch, got.num_aux) == (
+            want.sources, want.diff, want.batch, want.num_aux,
+        )  # fmt: skip
+        assert got.aux_tree == want.aux_tree and str(got.loss) == str(want.loss)
+
+
 def test_a_later_count_traces_the_loss_alone_as_the_record_pass_would():
     """A loss that reads the step's inputs as they are: the first count keeps a LossRecipe,
     and another count's capture from it (the step not traced) equals that count's record
@@ -214,7 +255,7 @@ def test_a_later_count_traces_the_loss_alone_as_the_record_pass_would():
 
     first, again, recorded = _traced_at_two_counts(step, avals, roles)
     assert all(r is not None for r in first.recipes)
-    assert len(calls) == 3  # first count: record + replay; the direct record pass at 8
+    assert len(calls) == 2  # first count: traced once (direct_trace); the record pass at 8
     for got, want in zip(again.captures, recorded, strict=True):
         assert got.num_micro_batches == want.num_micro_batches == 8
         assert (got.sources, got.diff, got.batch) == (want.sources, want.diff, want.batch)

@@ -156,8 +156,8 @@ def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
 @pytest.mark.slow  # 9 s: plans every count
 def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     """An MLP of 4 marked layers, batch 64, on 8 devices: the count chosen is the one
-    planning every candidate separately finds fastest, tracing the step twice (the first
-    count's record pass, the full-shape replay; later counts trace the loss alone); the plan
+    planning every candidate separately finds fastest, tracing the step once (later counts
+    trace the loss alone); the plan
     records what it tried and keeps it through JSON; the step trains as serial JAX."""
     alpa_mini.shutdown()
     cluster = ClusterSpec.named("cpu-2x4")
@@ -184,10 +184,9 @@ def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     tried = searched.planning.micro_batches_tried
     assert tried and all(t == pytest.approx(times[b], rel=1e-9) for b, t in tried)
     assert len(tried) < len(times)
-    # The first count traces the step on one micro-batch, then the full-shape replay is
-    # traced once; the loss reads the step's inputs as they are, so later counts trace the
-    # loss alone (LossRecipe).
-    assert len(calls) == 2
+    # The loss reads the step's inputs as they are: the first count traces the step once, at
+    # full shapes (direct_trace), and later counts trace the loss alone (LossRecipe).
+    assert len(calls) == 1
     again = PipeshardPlan.from_json(searched.to_json())
     assert again.planning.micro_batches_tried == tried
     # The step itself plans the same way and trains as serial JAX.
@@ -205,8 +204,8 @@ def test_when_no_count_fits_the_error_names_the_least_memory_of_the_largest(devi
     """Counts that do not fit are priced without working out the memory they would need (a
     second table of ILPs each); when none fits, the largest count is planned once more for
     the error, which names the least per-device memory that fits there. The step is traced
-    twice (the first count's record pass and the full-shape replay), although no count
-    could be planned."""
+    once, at full shapes (its loss reads the step's inputs as they are: ``direct_trace``),
+    although no count could be planned."""
     alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-2x4"))
     params, data = marked_mlp_args(4, 32, 64)
@@ -221,7 +220,7 @@ def test_when_no_count_fits_the_error_names_the_least_memory_of_the_largest(devi
     method = PipeshardParallel(None, memory_budget=1024.0)
     with pytest.raises(MemoryBudgetError, match="at the largest count") as e:
         alpa_mini.plan(counted, params, opt.init(params), data, method=method)
-    assert rows.count(64) == 1 and len(rows) == 2  # one replay, one record pass
+    assert rows == [64]  # one trace; later counts trace the loss alone
     need = e.value.min_budget
     assert need is not None and need > 1024.0
     fits = PipeshardParallel(64, memory_budget=need * 1.001)
