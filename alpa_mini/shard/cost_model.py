@@ -36,6 +36,8 @@ class CostModel:
     #: Operator strategies priced on this mesh, by what they depend on (``problem``'s key):
     #: the layers planned on one mesh repeat most operators.
     op_strategies: dict = field(default_factory=dict, repr=False, compare=False)
+    #: Resharding matrices between operators' strategy tuples (``problem._edges``).
+    edge_matrices: dict = field(default_factory=dict, repr=False, compare=False)
 
     def carried(self) -> CostModel:
         """A fresh cost model of the same mesh keeping only what no tensor shape enters: the

@@ -245,12 +245,23 @@ def _edges(
     def add(v: int, k: int, t: int, side: str, w: float) -> None:
         tu, idx = producer[t]
         tensor = graph.tensors[t]
-        key = (id(strategies[tu]), idx, id(strategies[v]), side, k, tensor.shape, tensor.dtype, w)
+        su, sv = strategies[tu], strategies[v]
+        key = (id(su), idx, id(sv), side, k, tensor.shape, tensor.dtype, w)
         matrix = seen.get(key)
         if matrix is None:
-            src = [s.out_specs[idx] for s in strategies[tu]]
-            specs = (s.in_specs[k] if side == "in" else s.out_specs[0] for s in strategies[v])
-            matrix = seen[key] = _reshard_matrix(graph, cost, t, src, list(specs), w)
+            # Between two operators, the matrix is the same in every graph planned on this
+            # mesh whose operators share those strategy tuples (the free and the pinned ILP
+            # of a layer, a settled one); the tuples are kept with it, so ids are not reused.
+            between_ops = n_in <= tu < n_in + n_ops and n_in <= v < n_in + n_ops
+            shared = cost.edge_matrices.get(key) if between_ops else None
+            if shared is not None and shared[0] is su and shared[1] is sv:
+                matrix = seen[key] = shared[2]
+            else:
+                src = [s.out_specs[idx] for s in su]
+                specs = (s.in_specs[k] if side == "in" else s.out_specs[0] for s in sv)
+                matrix = seen[key] = _reshard_matrix(graph, cost, t, src, list(specs), w)
+                if between_ops:
+                    cost.edge_matrices[key] = (su, sv, matrix)
         _add_edge(edges, tu, v, matrix)
         edge_info.append((tu, v, k, t, w))
 
