@@ -30,7 +30,7 @@ from ..options.pipeshard import AutoLayerOption, PipeshardParallel
 from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
-from ..shard.solve_pool import solve_session
+from ..shard.solve_pool import session_pool, solve_session
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .micro_batch_search import micro_batch_candidates, search_micro_batches
 from .plan import PipeshardPlan, ScanSplit
@@ -235,6 +235,8 @@ def prepare_step(
     solves its ILPs in child processes (``solve_session``), started here so that they are
     ready by the time tracing is done."""
     with solve_session() if method.plan is None else contextlib.nullcontext():
+        if method.plan is None and _param_bytes(avals, roles) >= WARM_POOL_BYTES:
+            session_pool()  # its children start (imports, ~0.4 s) while the step is traced
         if method.num_micro_batches is None:
             if method.plan is None:
                 return _searched(step_fun, avals, roles, method, cluster, progress)
@@ -267,6 +269,16 @@ def prepare_step(
             check_plan(plan, cluster, forward, capture, method.num_micro_batches)
         out_tree = jax.tree.structure(out_shape)
         return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
+
+
+#: Parameter bytes from which a step's layer ILPs are surely many and large enough to be
+#: solved in child processes (``stage_cost.POOL_MIN_NODES``; GPT-3 350M holds 1.4 GB): their
+#: pool is started before tracing rather than when the first ILPs are ready.
+WARM_POOL_BYTES = 1 << 30
+
+
+def _param_bytes(avals: Sequence[Any], roles: Sequence[str]) -> float:
+    return sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
 
 
 def _searched(

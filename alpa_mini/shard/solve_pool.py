@@ -33,6 +33,10 @@ __all__ = ["SolvePool", "active_pool", "session_pool", "solve_session", "usable_
 
 log = logging.getLogger("alpa_mini.shard.solve_pool")
 
+#: Niceness a child adds to the planner's own. The planner's Python builds the
+#: ILPs its children solve and traces the step while they start: on two cores it should not
+#: yield its core to them (gpt-1.3b on 4 GPUs planned about 3% faster, paired runs).
+CHILD_NICENESS = 5
 #: Seconds a child may take to start (import numpy and the solvers) and say it is ready.
 START_TIMEOUT = 120.0
 #: Seconds a child may run past an ILP's own time limit before it is presumed stuck.
@@ -65,6 +69,9 @@ class _Child:
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
+        with contextlib.suppress(OSError, AttributeError):  # not permitted, or not POSIX
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, min(mine + CHILD_NICENESS, 19))
         self.send_end = Connection(to_child_w, readable=False)
         self.recv_end = Connection(from_child_r, writable=False)
         self.ready = False
@@ -227,7 +234,10 @@ def _serve(recv_fd: int, send_fd: int) -> None:
     goes away (EOF)."""
     recv_end = Connection(recv_fd, writable=False)
     send_end = Connection(send_fd, readable=False)
-    send_end.send("ready")
+    try:
+        send_end.send("ready")
+    except OSError:  # the pool closed while this child started (planning ended early)
+        return
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the whole process group
         _answer(recv_end, send_end)
 

@@ -92,6 +92,24 @@ def test_sessions_nest_start_children_on_demand_and_stop_them_at_the_end() -> No
         assert session_pool() is None  # one CPU: threads only
 
 
+def test_children_run_below_the_planner_and_a_pool_closed_as_they_start_exits_quietly(
+    capfd,
+) -> None:
+    """Children are niced below the planner (its Python feeds them); a pool closed before
+    its children said they were ready (planning that ended early) leaves them to exit with
+    status 0 and nothing on stderr."""
+    import os
+
+    pool = SolvePool(2)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    want = min(mine + solve_pool.CHILD_NICENESS, 19)
+    assert [os.getpriority(os.PRIO_PROCESS, c.proc.pid) for c in pool._children] == [want] * 2
+    procs = [c.proc for c in pool._children]
+    pool.close()
+    assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    assert capfd.readouterr().err == ""
+
+
 def _plan_json(monkeypatch, min_nodes: int) -> dict:
     monkeypatch.setattr(stage_cost, "POOL_MIN_NODES", min_nodes)
     return _without_timings(json.loads(plan_marked_mlp(4).to_json()))
@@ -126,3 +144,26 @@ def test_a_plan_is_the_same_with_its_ilps_solved_in_children(monkeypatch, device
     in_threads = _plan_json(monkeypatch, 10**9)
     assert len(calls) == n  # ...and here none did
     assert in_children == in_threads
+
+
+@pytest.mark.parametrize("warm_bytes", [0, None])
+def test_a_step_with_large_parameters_starts_its_children_before_it_is_traced(
+    monkeypatch, devices8, warm_bytes
+) -> None:
+    """From ``WARM_POOL_BYTES`` of parameters the solver children start before the step is
+    traced (their imports overlap the trace); below it, not until enough ILPs need them."""
+    from alpa_mini.pipeline import executable
+
+    monkeypatch.setattr(solve_pool, "usable_cpus", lambda: 2)
+    if warm_bytes is not None:
+        monkeypatch.setattr(executable, "WARM_POOL_BYTES", warm_bytes)
+    seen = []
+    real = executable.trace_with_grads
+
+    def traced(*args, **kwargs):
+        seen.append(active_pool() is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executable, "trace_with_grads", traced)
+    plan_marked_mlp(4)
+    assert seen == [warm_bytes is not None]
