@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..shard.spec import ShardingSpec
-from .stage_cost import StageCost
+from .stage_cost import StageCost, plan_held_bytes
 from .stage_slice import is_float
 
 
@@ -293,19 +293,11 @@ def _held_bytes(sc: StageCost) -> float:
     """Bytes per device one layer holds while the other layers of its stage run: its
     parameters and their gradients in the layouts its ILP chose, and its residuals. Without
     its plan, its whole peak (the plain sum, as before), or a bound's own lower bound."""
-    plan = sc.plan
     if sc.held_bytes is not None:
         return sc.held_bytes
-    if plan is None:
+    if sc.plan is None:
         return sc.peak_memory
-    params = sum(
-        math.prod(t.shape)
-        * np.dtype(t.dtype).itemsize
-        / (t.spec.num_shards(plan.mesh_shape) if t.spec is not None else 1)
-        for t in plan.tensors
-        if t.role == "param"
-    )
-    return 2 * params + sc.residual_bytes  # a gradient has its parameter's size
+    return plan_held_bytes(sc.plan, sc.residual_bytes)
 
 
 def _refine_configs(model, tables, starts, ends, stage, configs, within: float | None):

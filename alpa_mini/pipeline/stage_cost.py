@@ -66,9 +66,10 @@ class StageCost:
     # was deferred (``_StageModel.defer_fractional``). ``latency`` is the relaxation's
     # optimum less the host load of its activations and cotangents (``_StageJob.handed``),
     # which a composition pays only at a stage's edges; with no layouts known,
-    # ``peak_memory`` and ``held_bytes`` (what the layer holds while others run;
-    # compose._held_bytes) count parameters as sharded over every device.
+    # ``peak_memory`` and ``held_bytes`` count parameters as sharded over every device.
     bound: bool = False
+    # What the layer holds while others run (``compose._held_bytes``): for a plan, its
+    # ``plan_held_bytes``; for a bound, a lower bound.
     held_bytes: float | None = None
 
     def memory(self, in_flight: int) -> float:
@@ -600,7 +601,22 @@ class _StageModel:
             plan=plan,
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
+            held_bytes=plan_held_bytes(plan, job.residual_bytes),
         )
+
+
+def plan_held_bytes(plan: ShardingPlan, residual_bytes: float) -> float:
+    """Bytes per device a layer planned as ``plan`` holds while the other layers of its
+    stage run: its parameters and their gradients in the layouts its ILP chose, and its
+    residuals (worked out once per plan; every composed table reads it)."""
+    params = sum(
+        math.prod(t.shape)
+        * np.dtype(t.dtype).itemsize
+        / (t.spec.num_shards(plan.mesh_shape) if t.spec is not None else 1)
+        for t in plan.tensors
+        if t.role == "param"
+    )
+    return 2 * params + residual_bytes  # a gradient has its parameter's size
 
 
 @dataclass(frozen=True)
