@@ -327,7 +327,9 @@ def _reshard_matrix(
     dst_at = {spec: i for i, spec in enumerate(dst_u)}
     si = np.array([src_at[s] for s in src])
     di = np.array([len(dst_u) if d is None else dst_at[d] for d in dst])
-    return table[np.ix_(si, di)] * weight
+    if weight != 1.0:
+        table *= weight  # on the distinct pairs, before they are spread over every pair
+    return table[np.ix_(si, di)]
 
 
 def plan_sharding(
