@@ -232,8 +232,9 @@ def prepare_step(
     each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
     step traced at another count, whose full-shape replay may be reused; ``on_traced`` gets
     this count's trace before planning (which may then find that nothing fits). Planning
-    solves its ILPs in child processes (``solve_session``), started here so that they are
-    ready by the time tracing is done."""
+    solves its ILPs in child processes (``solve_session``): for a step with
+    ``WARM_POOL_BYTES`` of parameters they start here, so that they are ready by the time
+    tracing is done; otherwise when enough ILPs need them."""
     with solve_session() if method.plan is None else contextlib.nullcontext():
         if method.plan is None and _param_bytes(avals, roles) >= WARM_POOL_BYTES:
             session_pool()  # its children start (imports, ~0.4 s) while the step is traced
