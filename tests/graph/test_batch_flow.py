@@ -182,6 +182,27 @@ def test_what_cannot_be_split_is_refused_by_name(cpu8, kind: str, match: str) ->
         step(w, jnp.ones((BATCH, WIDTH)), jnp.ones((BATCH, WIDTH)))
 
 
+def _counted_mlp_step(opt):
+    """The marked MLP's train step over flat leaves, counting its calls: (step, its
+    arguments, their avals and roles, the calls so far)."""
+    from alpa_mini.models import make_train_step
+    from helpers.mlp import marked_mlp_args, marked_mlp_loss
+
+    params, batch = marked_mlp_args(2, 8, 16)
+    args = (params, opt.init(params), batch)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
+    n_state = len(jax.tree.leaves(args[:2]))
+    roles = ["param"] * n_state + ["batch"] * (len(avals) - n_state)
+    calls = []
+
+    def step(*leaves):
+        calls.append(1)
+        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
+        return make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)(p, s, b)
+
+    return step, args, avals, roles, calls
+
+
 def _traced_at_two_counts(step, avals, roles):
     from alpa_mini.graph.grad_capture import record_grads, trace_with_grads
 
@@ -199,21 +220,9 @@ def test_a_step_whose_losses_read_its_inputs_is_traced_once_as_record_and_replay
     replay equation for equation; a loss of a value the step computed falls back to them."""
     import alpa_mini.graph.direct_trace as direct
     from alpa_mini.graph.grad_capture import trace_with_grads
-    from alpa_mini.models import adam, make_train_step
-    from helpers.mlp import marked_mlp_args, marked_mlp_loss
+    from alpa_mini.models import adam
 
-    params, batch = marked_mlp_args(2, 8, 16)
-    opt = adam(0.1)
-    args = (params, opt.init(params), batch)
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
-    n_state = len(jax.tree.leaves(args[:2]))
-    roles = ["param"] * n_state + ["batch"] * (len(avals) - n_state)
-    calls = []
-
-    def step(*leaves):
-        calls.append(1)
-        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
-        return make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)(p, s, b)
+    step, _, avals, roles, calls = _counted_mlp_step(adam(0.1))
 
     once = trace_with_grads(step, avals, roles, 4, "pipeline")
     assert len(calls) == 1 and all(r is not None for r in once.recipes)
@@ -238,20 +247,10 @@ def test_a_later_count_traces_the_loss_alone_as_the_record_pass_would():
     pass equation for equation; a loss of a value the step computed from the batch has no
     recipe, so each count records the step."""
     from alpa_mini.models import make_train_step, sgd
-    from helpers.mlp import marked_mlp_args, marked_mlp_loss
+    from helpers.mlp import marked_mlp_loss
 
-    params, batch = marked_mlp_args(2, 8, 16)
     opt = sgd(0.1)
-    args = (params, opt.init(params), batch)
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
-    n_state = len(jax.tree.leaves(args[:2]))
-    roles = ["param"] * n_state + ["batch"] * (len(avals) - n_state)
-    calls = []
-
-    def step(*leaves):
-        calls.append(1)
-        p, s, b = jax.tree.unflatten(jax.tree.structure(args), leaves)
-        return make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)(p, s, b)
+    step, args, avals, roles, calls = _counted_mlp_step(opt)
 
     first, again, recorded = _traced_at_two_counts(step, avals, roles)
     assert all(r is not None for r in first.recipes)
