@@ -25,6 +25,7 @@ from .grad_capture import (
     TracedStep,
     _active,
     _enter,
+    _flat_args,
     _micro_avals,
     _out_avals,
     _prune_dead,
@@ -57,7 +58,7 @@ def trace_direct(
         closed, out_shape = jax.make_jaxpr(lambda *a: _enter(rec, a, fun), return_shape=True)(
             *avals
         )
-    _check_calls(closed, rec, roles)
+    _check_calls(closed, rec)
     return TracedStep(_prune_dead(closed), out_shape, tuple(rec.captures), tuple(rec.recipes))
 
 
@@ -72,8 +73,7 @@ def direct_call(
     """Capture one grad call made while ``trace_direct`` traces: its loss traced on one
     micro-batch over (differentiated leaves, the step inputs passed), bound as the grad
     equation on full-shape values."""
-    leaves, in_tree = jax.tree.flatten(args)
-    owner = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    leaves, in_tree, owner = _flat_args(args)
     diff = tuple(o in nums for o in owner)
     index = {id(x): k for k, x in enumerate(rec.step_inputs)}
     leaf_step = []
@@ -116,7 +116,7 @@ def direct_call(
     return outs, aux_tree
 
 
-def _check_calls(closed: Any, rec: _Recorder, roles: Sequence[str]) -> None:
+def _check_calls(closed: Any, rec: _Recorder) -> None:
     """What the record pass's folding checks: every call is in the step itself, and no
     differentiated value derives from the batch or from an earlier call's results."""
     jaxpr = closed.jaxpr
@@ -127,7 +127,7 @@ def _check_calls(closed: Any, rec: _Recorder, roles: Sequence[str]) -> None:
     for eqn in found:
         capture = rec.captures[eqn.params["index"]]
         for (kind, j), v in zip(capture.sources, eqn.invars, strict=True):
-            if kind == "arg" and _derives_from_batch(jaxpr, v, producer, roles):
+            if kind == "arg" and _derives_from_batch(jaxpr, v, producer, rec.roles):
                 raise ValueError(
                     f"{rec.loss_names[eqn.params['index']]}: differentiated argument leaf {j} "
                     "derives from the step's batch arguments; differentiate parameters, and "

@@ -345,8 +345,7 @@ def _record(
     args: tuple[Any, ...],
 ) -> tuple[list[Any], Any]:
     """Trace the loss (closed-over values made explicit) and bind the grad equation."""
-    leaves, in_tree = jax.tree.flatten(args)
-    owner = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    leaves, in_tree, owner = _flat_args(args)
     abstract = [
         jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.result_type(x)))
         for x in leaves
@@ -390,6 +389,12 @@ def _record(
     index = len(rec.recorded) - 1
     outs = pipeline_grad_p.bind(*loss.consts, *leaves, index=index, out_avals=out_avals)
     return outs, aux_trees[-1]
+
+
+def _flat_args(args: tuple[Any, ...]) -> tuple[list[Any], Any, list[int]]:
+    """A grad call's argument leaves, their tree, and per leaf the argument it is of."""
+    leaves, in_tree = jax.tree.flatten(args)
+    return leaves, in_tree, [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
 
 
 def _source_values(

@@ -524,7 +524,7 @@ def _traced_parts(traced: TracedStep) -> tuple:
 
 def _plan(forward, capture, avals, roles, method, cluster, progress) -> PipeshardPlan:
     """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
-    param_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "param")
+    param_bytes = _param_bytes(avals, roles)
     state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
     plan = plan_pipeline(
         forward,
