@@ -7,7 +7,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._heap import release_free_memory
+from .._heap import lenient_gc, release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture, TracedStep, trace_with_grads
@@ -235,7 +235,7 @@ def prepare_step(
     solves its ILPs in child processes (``solve_session``): for a step with
     ``WARM_POOL_BYTES`` of parameters they start here, so that they are ready by the time
     tracing is done; otherwise when enough ILPs need them."""
-    with solve_session() if method.plan is None else contextlib.nullcontext():
+    with _planning(method.plan is None):
         if method.plan is None and _param_bytes(avals, roles) >= WARM_POOL_BYTES:
             session_pool()  # its children start (imports, ~0.4 s) while the step is traced
         if method.num_micro_batches is None:
@@ -270,6 +270,17 @@ def prepare_step(
             check_plan(plan, cluster, forward, capture, method.num_micro_batches)
         out_tree = jax.tree.structure(out_shape)
         return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
+
+
+@contextlib.contextmanager
+def _planning(active: bool) -> Iterator[None]:
+    """While a step is planned (``active``): ILPs solved in child processes, and a garbage
+    collector that rescans the heap less often (``_heap.lenient_gc``)."""
+    if not active:
+        yield
+        return
+    with solve_session(), lenient_gc():
+        yield
 
 
 #: Parameter bytes from which a step's layer ILPs are surely many and large enough to be

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ FULL_MIP_MAX_COLUMNS = 3_000_000
 #: unrolled GPT-2 1.3B, 4 rounds tie nodes of different roles and the tied MIP gets hard; 6
 #: keep the layers' positions apart and solve it in seconds (12 barely tie anything).
 TIE_ROUNDS = 6
+#: Building an ILP is Python that holds the GIL, so threads building several at once only
+#: finish them all later: one at a time, each goes to its solver process sooner (the
+#: planner's threads build while child processes solve, ``solve_pool``).
+_BUILD_LOCK = threading.Lock()
 #: Alternatives a plan keeps per choice besides the chosen and the replicated strategy: enough
 #: to explain a choice while a plan of an unrolled 11k-node graph stays small.
 MAX_ALTERNATIVES = 6
@@ -360,17 +365,18 @@ def plan_sharding(
     ``free_inputs``: its bound then leaves out what these inputs' layouts cost (values the
     caller prices itself, such as activations handed on inside a pipeline stage).
     """
-    t0 = time.perf_counter()
-    inst = build_sharding_problem(
-        graph,
-        cost,
-        input_filters=input_filters,
-        output_filters=output_filters,
-        aliases=aliases,
-        donated=donated,
-        memory_budget=memory_budget,
-    )
-    build_time = time.perf_counter() - t0
+    with _BUILD_LOCK:
+        t0 = time.perf_counter()
+        inst = build_sharding_problem(
+            graph,
+            cost,
+            input_filters=input_filters,
+            output_filters=output_filters,
+            aliases=aliases,
+            donated=donated,
+            memory_budget=memory_budget,
+        )
+        build_time = time.perf_counter() - t0
     try:
         sol = _solve_tied(inst.problem, backend, time_limit, solve) if tie_repeats else None
         sol = sol or _solve(inst.problem, backend, time_limit, solve=solve, defer=defer_fractional)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._heap import release_free_memory
+from .._heap import lenient_gc, release_free_memory
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, MemoryBudgetError
 from ..graph.op_graph import OpGraph
@@ -105,28 +105,29 @@ def plan_shard(
         check_replayed_plan(method.plan, graph, cluster)
         return method.plan
     plans, trials, errors = [], [], []
-    for shape in method.mesh_shapes(cluster.num_devices, cluster.devices_per_host):
-        t0 = time.perf_counter()
-        try:
-            plan = _plan_on(graph, cluster, method, roles, shape, aliases, donated)
-        except MemoryBudgetError as err:
-            errors.append((shape, err))
-            trial = _failed(shape, err, t0)
-        except ValueError as err:
-            if method.mesh_shape is not None or method.layout != "auto":
-                raise ConfigError(str(err)) from None
-            errors.append((shape, err))
-            trial = _failed(shape, err, t0)
-        else:
-            plans.append(plan)
-            trial = MeshTrial(
-                shape, plan.predicted_time, time.perf_counter() - t0,
-                outcome=str(plan.solver.get("status", "optimal")),
-                peak_memory=plan.peak_memory, core_nodes=plan.solver.get("core_nodes"),
-            )  # fmt: skip
-        trials.append(trial)
-        if on_trial is not None:
-            on_trial(trial)
+    with lenient_gc():  # ILP building allocates many short-lived objects
+        for shape in method.mesh_shapes(cluster.num_devices, cluster.devices_per_host):
+            t0 = time.perf_counter()
+            try:
+                plan = _plan_on(graph, cluster, method, roles, shape, aliases, donated)
+            except MemoryBudgetError as err:
+                errors.append((shape, err))
+                trial = _failed(shape, err, t0)
+            except ValueError as err:
+                if method.mesh_shape is not None or method.layout != "auto":
+                    raise ConfigError(str(err)) from None
+                errors.append((shape, err))
+                trial = _failed(shape, err, t0)
+            else:
+                plans.append(plan)
+                trial = MeshTrial(
+                    shape, plan.predicted_time, time.perf_counter() - t0,
+                    outcome=str(plan.solver.get("status", "optimal")),
+                    peak_memory=plan.peak_memory, core_nodes=plan.solver.get("core_nodes"),
+                )  # fmt: skip
+            trials.append(trial)
+            if on_trial is not None:
+                on_trial(trial)
     release_free_memory()  # each mesh's ILP is garbage now
     if not plans:
         _raise_nothing_fits(errors)
