@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -38,7 +39,7 @@ from .plan_check import check_plan
 from .schedules import make_schedule
 from .stacked_rows import join_rows, take_rows, union_sharding
 from .stage_cost import shared_cost_models
-from .stage_search import BEAT, LEAST_MEMORY, plan_pipeline
+from .stage_search import BEAT, LEAST_MEMORY, WHILE_SETTLING, plan_pipeline
 
 __all__ = [
     "PipeshardExecutable",
@@ -225,13 +226,15 @@ def prepare_step(
     progress: Callable[[str], None] | None = None,
     earlier: TracedStep | None = None,
     on_traced: Callable[[TracedStep], None] | None = None,
+    traced: TracedStep | None = None,
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step.
     Scans over stacked layers are split into sub-scans first when the layer option may cut
     between their iterations (the plan records how). ``num_micro_batches=None``: planned at
     each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
     step traced at another count, whose full-shape replay may be reused; ``on_traced`` gets
-    this count's trace before planning (which may then find that nothing fits). Planning
+    this count's trace before planning (which may then find that nothing fits); ``traced``:
+    this count's trace, made ahead (``trace_ahead``). Planning
     solves its ILPs in child processes (``solve_session``): for a step with
     ``WARM_POOL_BYTES`` of parameters they start here, so that they are ready by the time
     tracing is done; otherwise when enough ILPs need them."""
@@ -243,9 +246,10 @@ def prepare_step(
                 return _searched(step_fun, avals, roles, method, cluster, progress)
             method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
         t0 = time.perf_counter()
-        traced = trace_with_grads(
-            step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
-        )
+        if traced is None:
+            traced = trace_with_grads(
+                step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
+            )
         if on_traced is not None:
             on_traced(traced)
         step, out_shape, capture, forward = _traced_parts(traced)
@@ -312,22 +316,44 @@ def _searched(
     # that count: the trace is made before the planning that finds so).
     first: list[TracedStep] = []
 
+    candidates = micro_batch_candidates(max(rows, 1))
+    # Counts traced ahead, while an earlier count's settling left the planner's core idle.
+    ahead: dict[int, TracedStep | Exception] = {}
+    planned: set[int] = set()
+
+    def trace_ahead(b: int) -> None:
+        """Trace the counts beside ``b`` (the search plans one of them next)."""
+        i = candidates.index(b)
+        for c in candidates[max(i - 1, 0) : i + 2]:
+            if first and c not in planned and c not in ahead:
+                try:
+                    ahead[c] = trace_with_grads(
+                        step_fun, avals, roles, c, "pipeline", earlier=first[0]
+                    )
+                except Exception as err:  # raised again if the search plans c
+                    ahead[c] = err.with_traceback(None)
+
     def plan_at(b: int, beat: float = math.inf) -> tuple[PreparedStep, float]:
         if progress is not None:
             progress(f"micro-batches: planning B={b}")
+        planned.add(b)
         at = dataclasses.replace(method, num_micro_batches=b)
         earlier = first[0] if first else None
+        traced = ahead.pop(b, None)
+        if isinstance(traced, Exception):
+            raise traced
         token = BEAT.set(beat)  # a count that cannot beat the fastest so far stops early
+        meanwhile = WHILE_SETTLING.set(functools.partial(trace_ahead, b))
         try:
             prepared = prepare_step(
                 step_fun, avals, roles, at, cluster, progress, earlier,
-                on_traced=None if first else first.append,
+                on_traced=None if first else first.append, traced=traced,
             )  # fmt: skip
         finally:
+            WHILE_SETTLING.reset(meanwhile)
             BEAT.reset(token)
         return prepared, _ranked_time(prepared.plan, method)
 
-    candidates = micro_batch_candidates(max(rows, 1))
     failed: MemoryBudgetError | None = None
     with shared_cost_models():
         skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...

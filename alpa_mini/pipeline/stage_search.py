@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr
@@ -54,6 +56,8 @@ from .stage_slice import slice_stage
 
 __all__ = ["plan_pipeline"]
 
+T = TypeVar("T")
+
 
 @dataclass
 class _Chosen:
@@ -83,6 +87,14 @@ LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 #: the DP over bound cells is a lower bound on it, so the DP stops with ``Dominated`` as soon
 #: as that bound exceeds this (before the bound cells' MIPs are branched on).
 BEAT: contextvars.ContextVar[float] = contextvars.ContextVar("alpa_mini_beat", default=math.inf)
+
+#: Work for the planner's own thread while the stage DP's settling rounds wait on their few
+#: ILPs (its core is mostly idle then), run at most once per plan and only once the DP has
+#: shown the count is not dominated: the micro-batch search traces the counts it will likely
+#: plan next there.
+WHILE_SETTLING: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "alpa_mini_while_settling", default=None
+)
 
 
 def plan_pipeline(
@@ -213,6 +225,7 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
     keep their bounds in the returned problem's table.)"""
     budget = _budget(model.method, model.cluster)
     beat = math.inf if model.method.stage_option.refine else BEAT.get()
+    idle = WHILE_SETTLING.get()
     while True:
         t_dp = time.perf_counter()
         solution = solve_stages(problem)
@@ -228,11 +241,15 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
                     requests.append((starts[k], ends[k], st.submesh_shape, configs[si][ci]))
                     stale[(si, ci)] = st.submesh_shape
         if requests:  # bound layers first: re-composing their tables re-bounds alignments
-            model.settle(requests)
+            _meanwhile(functools.partial(model.settle, requests), idle)
         else:
-            stale = _align_chosen(model, solution, tables, starts, ends, configs)
+            stale = _meanwhile(
+                functools.partial(_align_chosen, model, solution, tables, starts, ends, configs),
+                idle,
+            )
             if not stale:
                 return problem, solution
+        idle = None
         cost, succ = problem.cost.copy(), problem.max_succ.copy()
         for (si, ci), sub in stale.items():
             cost[:, :, si, ci], succ[:, :, si, ci] = np.inf, 0
@@ -242,6 +259,17 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
                 fresh = _table_entries(model, tables[(si, ci)], sub, si, ci, configs, entries)
             _fill_cells(cost, succ, fresh.items(), budget)
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
+
+
+def _meanwhile(work: Callable[[], T], idle: Callable[[], None] | None) -> T:
+    """``work()``; with ``idle``, run on a worker thread while this thread runs ``idle()``
+    (JAX tracing, which stays on the caller's thread and its thread-local settings)."""
+    if idle is None:
+        return work()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(contextvars.copy_context().run, work)
+        idle()
+        return future.result()
 
 
 #: A chosen stage whose shared parameters are aligned (``align_shared``) takes the other
