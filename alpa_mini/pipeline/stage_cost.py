@@ -239,11 +239,12 @@ class _StageModel:
                 self._graph(io)
                 todo.setdefault(key, (io, submesh, logical, layout))
         # Solver processes pay for their start (about 0.3 s each) only on enough work. With
-        # them, one thread more than there are processes builds the next ILP while they
-        # solve (building and reading plans back hold the GIL).
+        # them, two threads more than there are processes: while they solve, one builds the
+        # next ILP (one at a time: shard.problem._BUILD_LOCK) and one reads a plan back or
+        # holds a built ILP ready for the first process to finish.
         nodes = sum(len(self._graph(io)[0].nodes) for io, *_ in todo.values())
         pool = session_pool() if nodes >= POOL_MIN_NODES else active_pool()
-        workers = min(len(todo), usable_cpus() if pool is None else pool.size + 1)
+        workers = min(len(todo), usable_cpus() if pool is None else pool.size + 2)
         if workers <= 1:
             return
         # Largest first (more mesh axes, more nodes), so that no big ILP starts last.
