@@ -1,11 +1,13 @@
-"""The planner's heap trim: pages freed on a worker thread go back to the OS."""
+"""The planner's memory housekeeping: pages freed on a worker thread go back to the OS, and
+the garbage collector's thresholds are raised only while planning runs."""
 
+import gc
 import os
 import threading
 
 import pytest
 
-from alpa_mini._heap import _malloc_trim, release_free_memory
+from alpa_mini._heap import PLANNING_GC_THRESHOLDS, _malloc_trim, lenient_gc, release_free_memory
 
 
 def _rss_bytes() -> int:
@@ -33,3 +35,34 @@ def test_freed_thread_arena_pages_are_returned():
     after = _rss_bytes()
     assert before - after > 100 * 2**20, (before, after)
     assert len(kept) == 300_000 // 64 + 1
+
+
+def test_lenient_gc_raises_the_thresholds_for_its_block_and_restores_them():
+    """Inside the block the collector's thresholds are at least ``PLANNING_GC_THRESHOLDS``
+    (a caller's higher ones kept); nested and concurrent blocks restore the caller's
+    thresholds only when the last one ends, and an exception still restores them."""
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 20, 5)
+        with lenient_gc():
+            assert gc.get_threshold() == (PLANNING_GC_THRESHOLDS[0], 20, 10)
+            entered, leave = threading.Event(), threading.Event()
+
+            def other() -> None:
+                with lenient_gc():
+                    entered.set()
+                    leave.wait(timeout=30)
+
+            worker = threading.Thread(target=other)
+            worker.start()
+            assert entered.wait(timeout=30)
+        assert gc.get_threshold() == (PLANNING_GC_THRESHOLDS[0], 20, 10)  # the other is in
+        leave.set()
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        assert gc.get_threshold() == (700, 20, 5)
+        with pytest.raises(RuntimeError), lenient_gc():
+            raise RuntimeError("planning failed")
+        assert gc.get_threshold() == (700, 20, 5)
+    finally:
+        gc.set_threshold(*saved)

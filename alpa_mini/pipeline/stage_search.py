@@ -15,7 +15,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from ..options.pipeshard import (
     PipeshardParallel,
     UniformStageOption,
 )
+from ..shard.problem import build_activity
 from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, StageSolution, solve_stages, submesh_shapes
 from .compose import (
@@ -268,8 +269,23 @@ def _meanwhile(work: Callable[[], T], idle: Callable[[], None] | None) -> T:
         return work()
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(contextvars.copy_context().run, work)
+        _let_build(future)
         idle()
         return future.result()
+
+
+def _let_build(future: Future, most: float = 1.0, quiet: int = 3) -> None:
+    """Wait (at most ``most`` seconds) until ``future``'s work has begun building ILPs and
+    none has been building for ``quiet`` polls in a row, or it is done. Building holds the
+    GIL, so work traced meanwhile would slow it and leave the solver processes waiting."""
+    began, _ = build_activity()
+    deadline, still = time.monotonic() + most, 0
+    while not future.done() and time.monotonic() < deadline:
+        started, building = build_activity()
+        still = 0 if building or started == began else still + 1
+        if still >= quiet:
+            return
+        time.sleep(0.005)
 
 
 #: A chosen stage whose shared parameters are aligned (``align_shared``) takes the other

@@ -44,7 +44,7 @@ from .strategies import (
     symmetric_axis_pairs,
 )
 
-__all__ = ["ShardingInstance", "build_sharding_problem", "plan_sharding"]
+__all__ = ["ShardingInstance", "build_activity", "build_sharding_problem", "plan_sharding"]
 
 log = logging.getLogger("alpa_mini.shard.problem")
 _warned: set[str] = set()
@@ -63,6 +63,7 @@ TIE_ROUNDS = 6
 #: finish them all later: one at a time, each goes to its solver process sooner (the
 #: planner's threads build while child processes solve, ``solve_pool``).
 _BUILD_LOCK = threading.Lock()
+_builds_started = 0  # ILPs whose build has begun, in this process (``build_activity``)
 #: Alternatives a plan keeps per choice besides the chosen and the replicated strategy: enough
 #: to explain a choice while a plan of an unrolled 11k-node graph stays small.
 MAX_ALTERNATIVES = 6
@@ -365,7 +366,9 @@ def plan_sharding(
     ``free_inputs``: its bound then leaves out what these inputs' layouts cost (values the
     caller prices itself, such as activations handed on inside a pipeline stage).
     """
+    global _builds_started
     with _BUILD_LOCK:
+        _builds_started += 1
         t0 = time.perf_counter()
         inst = build_sharding_problem(
             graph,
@@ -404,6 +407,13 @@ def plan_sharding(
             min_peak,
         ) from None
     return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+
+
+def build_activity() -> tuple[int, bool]:
+    """(ILP builds begun so far, whether one is running now): lets a caller that would take
+    the GIL for long (JAX tracing) wait until the ILPs just asked for are built and with
+    their solver processes."""
+    return _builds_started, _BUILD_LOCK.locked()
 
 
 def _bound_without(problem: ShardingProblem, nodes: Sequence[int], backend, time_limit, solve):

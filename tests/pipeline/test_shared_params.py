@@ -5,7 +5,10 @@ runs and equals serial JAX."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import sys
+import threading
 
 import pytest
 from test_pipeshard import _gpt_case, _run
@@ -97,3 +100,73 @@ def test_the_stage_dp_ranks_ranges_holding_both_readers_by_a_bound_of_aligning_t
     one = _one_stage_plan(None, aligned=True)
     assert auto.predicted_time <= one.predicted_time + 1e-12
     assert auto.stage_solution.objective == pytest.approx(auto.predicted_time, rel=1e-9)
+
+
+def test_work_given_to_the_settling_runs_once_on_the_callers_thread(four_devices):
+    """``WHILE_SETTLING`` (the micro-batch search traces its next counts there) runs once,
+    on the planning thread, while the DP's settling (here: aligning the tied embedding's
+    readers) runs beside it; the plan is the one made without it."""
+    loss, params, data = _gpt_case(marks=True)
+    opt = sgd(0.1)
+    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=2)
+    plain = alpa_mini.plan(step, params, opt.init(params), data, method=method)
+    threads: list[int] = []
+    token = stage_search.WHILE_SETTLING.set(lambda: threads.append(threading.get_ident()))
+    try:
+        hooked = alpa_mini.plan(step, params, opt.init(params), data, method=method)
+    finally:
+        stage_search.WHILE_SETTLING.reset(token)
+    assert threads == [threading.get_ident()]
+    assert hooked.predicted_time == plain.predicted_time
+    assert [(s.layer_start, s.layer_end, s.logical_shape) for s in hooked.stages] == [
+        (s.layer_start, s.layer_end, s.logical_shape) for s in plain.stages
+    ]
+
+
+def test_meanwhile_returns_the_work_and_raises_its_error():
+    """``_meanwhile`` runs ``idle`` here while the work runs on a worker thread."""
+    seen: list[int] = []
+    done = stage_search._meanwhile(
+        lambda: threading.get_ident(), lambda: seen.append(threading.get_ident())
+    )
+    assert seen == [threading.get_ident()] and done != seen[0]
+
+    def fails() -> None:
+        raise ValueError("no plan")
+
+    with pytest.raises(ValueError, match="no plan"):
+        stage_search._meanwhile(fails, lambda: None)
+
+
+@pytest.mark.slow  # 16 s: the search planned twice
+def test_the_micro_batch_search_traces_each_count_once_some_ahead(monkeypatch, four_devices):
+    """While a count settles, the search traces the counts beside it (``trace_ahead``);
+    planning one of them then uses that trace: no count is traced twice, and the search
+    finds what it finds without tracing ahead."""
+    from alpa_mini.pipeline import executable
+
+    loss, params, data = _gpt_case(marks=True)
+    opt = sgd(0.1)
+    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=None)
+    counts: list[tuple[int, str]] = []
+    real = executable.trace_with_grads
+
+    def counted(fun, avals, roles, b, *args, **kwargs):
+        counts.append((b, sys._getframe(1).f_code.co_name))
+        return real(fun, avals, roles, b, *args, **kwargs)
+
+    monkeypatch.setattr(executable, "trace_with_grads", counted)
+    searched = alpa_mini.plan(step, params, opt.init(params), data, method=method)
+    traced = [b for b, _ in counts]
+    assert len(traced) == len(set(traced))
+    assert any(caller == "trace_ahead" for _, caller in counts)
+    planned = [b for b, _ in searched.planning.micro_batches_tried]
+    planned += [b for b, _ in searched.planning.micro_batches_dominated]
+    assert set(planned) <= set(traced)
+    # Without tracing ahead (a variable nothing reads), the same count and plan.
+    monkeypatch.setattr(executable, "WHILE_SETTLING", contextvars.ContextVar("unread"))
+    plain = alpa_mini.plan(step, params, opt.init(params), data, method=method)
+    assert searched.num_micro_batches == plain.num_micro_batches
+    assert searched.predicted_time == plain.predicted_time
