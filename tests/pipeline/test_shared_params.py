@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 import sys
 import threading
 
+import numpy as np
 import pytest
 from test_pipeshard import _gpt_case, _run
 
@@ -170,3 +172,26 @@ def test_the_micro_batch_search_traces_each_count_once_some_ahead(monkeypatch, f
     plain = alpa_mini.plan(step, params, opt.init(params), data, method=method)
     assert searched.num_micro_batches == plain.num_micro_batches
     assert searched.predicted_time == plain.predicted_time
+
+
+def test_configs_aligned_alongside_the_chosen_one_leave_the_plan_as_it_was(
+    monkeypatch, four_devices
+):
+    """Aligning the chosen stage's submesh's other configs at once (``ALIGN_ALONGSIDE``)
+    only turns bounds into exact costs sooner: aligning none of them or all of them plans
+    the same stages at the same predicted time."""
+    loss, params, data = _gpt_case(marks=True)
+    opt = sgd(0.1)
+    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=2)
+    plans = []
+    for alongside in (0.0, math.inf):
+        monkeypatch.setattr(stage_search, "ALIGN_ALONGSIDE", alongside)
+        plans.append(alpa_mini.plan(step, params, opt.init(params), data, method=method))
+    none, every = plans
+    assert every.predicted_time == none.predicted_time
+    assert [s.logical_shape for s in every.stages] == [s.logical_shape for s in none.stages]
+    # Cells aligned alongside hold their exact cost where the others kept a bound below it.
+    a, b = every.stage_problem.cost, none.stage_problem.cost
+    both = np.isfinite(a) & np.isfinite(b)
+    assert (a[both] >= b[both] - 1e-12).all() and (a[both] > b[both] + 1e-12).any()
