@@ -300,7 +300,8 @@ def _align_chosen(model, solution, tables, starts, ends, configs) -> dict:
     """Align the readers of shared parameters in the chosen stages whose cost is a bound of
     doing so (and in the configs ``ALIGN_ALONGSIDE`` takes along): the (submesh, config)
     tables changed, with their submesh shapes."""
-    todo: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+    # (submesh, config) -> its submesh shape and the layer ranges to align in its table
+    todo: dict[tuple[int, int], tuple[tuple[int, int], list[tuple[int, int]]]] = {}
     for st in solution.stages:
         si, ci, i, j = st.submesh_index, st.config_index, st.layer_start, st.layer_end
         if not needs_alignment(tables[(si, ci)], i, j):
@@ -312,15 +313,16 @@ def _align_chosen(model, solution, tables, starts, ends, configs) -> dict:
                 continue
             cell = _composed_row(table, i)[j - i]
             if cj == ci or (cell is not None and cell.latency <= limit):
-                todo[(si, cj, i, j)] = st.submesh_shape
+                todo.setdefault((si, cj), (st.submesh_shape, []))[1].append((i, j))
 
-    def align(key: tuple[int, int, int, int]) -> None:
-        si, cj, i, j = key
-        align_shared(model, tables[(si, cj)], starts, ends, todo[key], configs[si][cj], i, j)
+    def align(key: tuple[int, int]) -> None:  # one table's ranges in turn: it is mutated
+        (si, cj), (sub, ranges) = key, todo[key]
+        for i, j in ranges:
+            align_shared(model, tables[key], starts, ends, sub, configs[si][cj], i, j)
 
     with ThreadPoolExecutor(max_workers=max(len(todo), 1)) as pool:
         list(pool.map(align, todo))
-    return {(si, cj): sub for (si, cj, _, _), sub in todo.items()}
+    return {key: sub for key, (sub, _) in todo.items()}
 
 
 def _prefetch_refinement(model, chosen: _Chosen, tables, starts, ends, configs) -> None:
