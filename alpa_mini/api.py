@@ -101,7 +101,10 @@ def plan(
     ``ClusterSpec``, a bundled cluster name or a cluster YAML path; None plans for the
     cluster of ``alpa_mini.init``. Planning needs no devices, so any cluster can be planned.
     The other arguments mean what they mean for ``parallelize``; ``progress`` receives a line
-    per planning step (per mesh tried, for ShardParallel).
+    per planning step (per mesh tried, for ShardParallel). For ``PipeshardParallel``, a step
+    whose grad call reads only its own inputs is traced as far as that call: the plan reads
+    its loss, and what the step does after the call (its optimiser update) is traced and
+    checked when the plan is compiled (``parallelize(..., method=PipeshardParallel(plan=p))``).
     """
     step = parallelize(
         fun,

@@ -42,22 +42,47 @@ class NotDirect(Exception):
     """A grad call whose loss must be folded from a record pass."""
 
 
+class _LossCaptured(BaseException):
+    """Stops a ``loss_only`` trace at its first grad call, carrying the call's differentiated
+    values out of the step. A BaseException, so that a step's own ``except Exception`` does
+    not swallow it."""
+
+    def __init__(self, differentiated: list[Any]) -> None:
+        super().__init__()
+        self.differentiated = differentiated
+
+
 def trace_direct(
     fun: Callable[..., Any],
     avals: Sequence[Any],
     roles: Sequence[str],
     num_micro_batches: int,
     names: Sequence[str] | None = None,
+    loss_only: bool = False,
 ) -> TracedStep:
     """The step at full shapes with every grad call captured, traced once; raises
-    ``NotDirect`` where some call needs the record pass."""
+    ``NotDirect`` where some call needs the record pass. ``loss_only``: stop at the first
+    call once it is captured, having traced only what computes its differentiated values
+    (checked as ``_check_calls`` checks them); the step's jaxpr and output shapes are then
+    None."""
     rec = _Recorder("direct", num_micro_batches, [])
     rec.micro = _micro_avals(avals, roles, num_micro_batches, names)
     rec.roles = roles
+    rec.loss_only = loss_only
+    stopped: list[bool] = []
+
+    def until_loss(*leaves: Any) -> Any:
+        try:
+            return _enter(rec, leaves, fun)
+        except _LossCaptured as stop:
+            stopped.append(True)
+            return stop.differentiated
+
     with _active(rec):
-        closed, out_shape = jax.make_jaxpr(lambda *a: _enter(rec, a, fun), return_shape=True)(
-            *avals
-        )
+        closed, out_shape = jax.make_jaxpr(until_loss, return_shape=True)(*avals)
+    if stopped:  # ``closed``: from the step's inputs to the call's differentiated values
+        _check_differentiated(closed.jaxpr, closed.jaxpr.outvars, rec, 0)
+        return TracedStep(None, None, tuple(rec.captures), tuple(rec.recipes))
     _check_calls(closed, rec)
     return TracedStep(_prune_dead(closed), out_shape, tuple(rec.captures), tuple(rec.recipes))
 
@@ -111,6 +136,14 @@ def direct_call(
     rec.captures.append(capture)
     rec.recipes.append(dataclasses.replace(recipe, aux_tree=aux_tree))
     rec.loss_names.append(_name(fun))
+    if rec.loss_only:
+        differentiated = [x for x, d in zip(leaves, diff, strict=True) if d]
+        # Inside a jit, vmap or scan of the step, its values are not the step's own: the
+        # record pass says so (as ``_check_calls`` finds such a call missing at the top).
+        step_trace = getattr(rec.step_inputs[0], "_trace", None) if rec.step_inputs else None
+        if any(getattr(x, "_trace", None) is not step_trace for x in differentiated):
+            raise NotDirect
+        raise _LossCaptured(differentiated)
     values = _source_values(capture, leaves, rec.step_inputs)
     outs = pipeline_grad_p.bind(*values, index=len(rec.captures) - 1, out_avals=_out_avals(capture))
     return outs, aux_tree
@@ -123,16 +156,25 @@ def _check_calls(closed: Any, rec: _Recorder) -> None:
     found = [e for e in jaxpr.eqns if e.primitive.name == GRAD_NAME]
     if len(found) != len(rec.captures):
         raise NotDirect  # a call inside a jit, vmap or scan: the record pass says so
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     for eqn in found:
-        capture = rec.captures[eqn.params["index"]]
-        for (kind, j), v in zip(capture.sources, eqn.invars, strict=True):
-            if kind == "arg" and _derives_from_batch(jaxpr, v, producer, rec.roles):
-                raise ValueError(
-                    f"{rec.loss_names[eqn.params['index']]}: differentiated argument leaf {j} "
-                    "derives from the step's batch arguments; differentiate parameters, and "
-                    "pass or close over the batch"
-                )
+        index = eqn.params["index"]
+        args = [v for (kind, _), v in zip(rec.captures[index].sources, eqn.invars, strict=True)
+                if kind == "arg"]  # fmt: skip
+        _check_differentiated(jaxpr, args, rec, index)
+
+
+def _check_differentiated(jaxpr: Any, values: Sequence[Any], rec: _Recorder, index: int) -> None:
+    """No differentiated value of call ``index`` (``values``, in its argument leaves' order)
+    derives from the step's batch."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    leaves = [j for kind, j in rec.captures[index].sources if kind == "arg"]
+    for j, v in zip(leaves, values, strict=True):
+        if _derives_from_batch(jaxpr, v, producer, rec.roles):
+            raise ValueError(
+                f"{rec.loss_names[index]}: differentiated argument leaf {j} derives from the "
+                "step's batch arguments; differentiate parameters, and pass or close over the "
+                "batch"
+            )
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:

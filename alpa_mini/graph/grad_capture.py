@@ -87,9 +87,10 @@ class Recorded:
 class TracedStep:
     """The step traced at full shapes, its output shapes and each grad call's capture;
     ``recipes`` (one per capture, None where the step must be traced again) trace a
-    capture's loss at another micro-batch count without tracing the step."""
+    capture's loss at another micro-batch count without tracing the step. ``closed`` and
+    ``out_shape`` are None where only the loss was traced (``trace_with_grads(loss_only=True)``)."""
 
-    closed: ClosedJaxpr
+    closed: ClosedJaxpr | None
     out_shape: Any
     captures: tuple[GradCapture, ...]
     recipes: tuple[Any, ...] = ()
@@ -109,6 +110,7 @@ class _Recorder:
     roles: Sequence[str] = ()
     recipes: list[Any] = field(default_factory=list)
     loss_names: list[str] = field(default_factory=list)
+    loss_only: bool = False  # "direct": stop the trace once the first call is captured
 
 
 _ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -151,6 +153,7 @@ def trace_with_grads(
     mode: Mode,
     names: Sequence[str] | None = None,
     earlier: TracedStep | None = None,
+    loss_only: bool = False,
 ) -> TracedStep:
     """Trace ``fun`` over flat leaves ``avals`` (``roles[k] == "batch"`` marks batch leaves,
     ``names`` name them in errors) with ``alpa_mini.grad`` captured (``"pipeline"``) or
@@ -158,7 +161,11 @@ def trace_with_grads(
 
     ``earlier``: the same step traced in ``"pipeline"`` mode at another micro-batch count.
     Its replay is reused when every capture binds the same inputs and results, since the
-    full-shape step then differs only in the captures it refers to by index."""
+    full-shape step then differs only in the captures it refers to by index.
+    ``loss_only`` (``"pipeline"``, for a plan alone): where the step is traced once
+    (``direct_trace``), stop at its first grad call, whose loss is all that planning reads;
+    the step's jaxpr (its optimiser update: most of a large model's trace) is then None,
+    and the step is checked in full when the plan is compiled."""
     recipes = earlier.recipes if earlier is not None and mode == "pipeline" else ()
     if recipes and all(r is not None for r in recipes):
         # Every loss reads only step inputs and its own arguments: trace the losses alone at
@@ -169,7 +176,7 @@ def trace_with_grads(
         from .direct_trace import NotDirect, trace_direct
 
         try:  # once, where every loss reads only step inputs and its own arguments
-            return trace_direct(fun, avals, roles, num_micro_batches, names)
+            return trace_direct(fun, avals, roles, num_micro_batches, names, loss_only)
         except NotDirect:
             captures, recipes = record_grads(fun, avals, roles, num_micro_batches, names)
     else:

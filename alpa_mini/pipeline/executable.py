@@ -206,9 +206,10 @@ _ADD = jax.jit(jnp.add)
 class PreparedStep:
     """A pipeshard step traced with ``alpa_mini.grad`` captured, and its plan. With the
     plan's scan splits applied, ``step`` reads row pieces of stacked leaves: ``pieces``
-    maps the user's flat leaves to its own."""
+    maps the user's flat leaves to its own. ``step`` and ``out_tree`` are None where only
+    the loss was traced (``prepare_step(loss_only=True)``)."""
 
-    step: ClosedJaxpr
+    step: ClosedJaxpr | None
     out_tree: Any
     capture: GradCapture
     forward: ClosedJaxpr
@@ -227,6 +228,7 @@ def prepare_step(
     earlier: TracedStep | None = None,
     on_traced: Callable[[TracedStep], None] | None = None,
     traced: TracedStep | None = None,
+    loss_only: bool = False,
 ) -> PreparedStep:
     """Trace the step and plan it, or check that ``method.plan`` was made for this step.
     Scans over stacked layers are split into sub-scans first when the layer option may cut
@@ -234,7 +236,8 @@ def prepare_step(
     each count the search tries (``micro_batch_search``), the fastest kept. ``earlier``: the
     step traced at another count, whose full-shape replay may be reused; ``on_traced`` gets
     this count's trace before planning (which may then find that nothing fits); ``traced``:
-    this count's trace, made ahead (``trace_ahead``). Planning
+    this count's trace, made ahead (``trace_ahead``). ``loss_only``: for a plan alone, trace
+    the step only as far as its grad call where that suffices (``trace_with_grads``). Planning
     solves its ILPs in child processes (``solve_session``): for a step with
     ``WARM_POOL_BYTES`` of parameters they start here, so that they are ready by the time
     tracing is done; otherwise when enough ILPs need them."""
@@ -243,13 +246,19 @@ def prepare_step(
             session_pool()  # its children start (imports, ~0.4 s) while the step is traced
         if method.num_micro_batches is None:
             if method.plan is None:
-                return _searched(step_fun, avals, roles, method, cluster, progress)
+                return _searched(step_fun, avals, roles, method, cluster, progress, loss_only)
             method = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
         t0 = time.perf_counter()
         if traced is None:
             traced = trace_with_grads(
-                step_fun, avals, roles, method.num_micro_batches, "pipeline", earlier=earlier
-            )
+                step_fun, avals, roles, method.num_micro_batches, "pipeline",
+                earlier=earlier, loss_only=loss_only and method.plan is None,
+            )  # fmt: skip
+            if traced.closed is None and _splits_scans(traced, method):
+                # Scans split into sub-scans change the step as well: trace it whole.
+                traced = trace_with_grads(
+                    step_fun, avals, roles, method.num_micro_batches, "pipeline"
+                )
         if on_traced is not None:
             on_traced(traced)
         step, out_shape, capture, forward = _traced_parts(traced)
@@ -272,7 +281,7 @@ def prepare_step(
             plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
         else:
             check_plan(plan, cluster, forward, capture, method.num_micro_batches)
-        out_tree = jax.tree.structure(out_shape)
+        out_tree = None if step is None else jax.tree.structure(out_shape)
         return PreparedStep(step, out_tree, capture, forward, plan, pieces, traced)
 
 
@@ -304,6 +313,7 @@ def _searched(
     method: PipeshardParallel,
     cluster: ClusterSpec,
     progress: Callable[[str], None] | None,
+    loss_only: bool = False,
 ) -> PreparedStep:
     """The step prepared at the micro-batch count with the fastest predicted plan."""
     t0 = time.perf_counter()
@@ -328,8 +338,9 @@ def _searched(
             if first and c not in planned and c not in ahead:
                 try:
                     ahead[c] = trace_with_grads(
-                        step_fun, avals, roles, c, "pipeline", earlier=first[0]
-                    )
+                        step_fun, avals, roles, c, "pipeline", earlier=first[0],
+                        loss_only=loss_only,
+                    )  # fmt: skip
                 except Exception as err:  # raised again if the search plans c
                     ahead[c] = err.with_traceback(None)
 
@@ -347,7 +358,7 @@ def _searched(
         try:
             prepared = prepare_step(
                 step_fun, avals, roles, at, cluster, progress, earlier,
-                on_traced=None if first else first.append, traced=traced,
+                on_traced=None if first else first.append, traced=traced, loss_only=loss_only,
             )  # fmt: skip
         finally:
             WHILE_SETTLING.reset(meanwhile)
@@ -431,6 +442,12 @@ def _check_splits(forward: ClosedJaxpr, splits: Sequence[ScanSplit]) -> None:
             )
 
 
+def _splits_scans(traced: TracedStep, method: PipeshardParallel) -> bool:
+    """Whether planning the traced step splits some scan of its loss into sub-scans."""
+    _, _, capture, forward = _traced_parts(traced)
+    return bool(_scan_splits(forward, capture, method))
+
+
 def _scan_splits(
     forward: ClosedJaxpr, capture: GradCapture, method: PipeshardParallel
 ) -> tuple[ScanSplit, ...]:
@@ -456,7 +473,7 @@ def plan_pipeshard(
     progress: Callable[[str], None] | None = None,
 ) -> PipeshardPlan:
     """Plan only (no devices needed, nothing allocated or compiled); ``alpa_mini.plan``."""
-    return prepare_step(step_fun, avals, roles, method, cluster, progress).plan
+    return prepare_step(step_fun, avals, roles, method, cluster, progress, loss_only=True).plan
 
 
 def compile_pipeshard(
@@ -552,10 +569,14 @@ def trace_step(
 
 
 def _traced_parts(traced: TracedStep) -> tuple:
-    """(step jaxpr, output shapes, the grad call's capture, its flat loss)."""
+    """(step jaxpr, output shapes, the grad call's capture, its flat loss); the step and its
+    output shapes are None where only the loss was traced (its one capture)."""
     step = traced.closed
-    g = grad_equation(step.jaxpr)
-    capture: GradCapture = traced.captures[step.jaxpr.eqns[g].params["index"]]
+    if step is None:
+        capture: GradCapture = traced.captures[0]
+    else:
+        g = grad_equation(step.jaxpr)
+        capture = traced.captures[step.jaxpr.eqns[g].params["index"]]
     return step, traced.out_shape, capture, flatten_calls(capture.loss)
 
 
