@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import alpa_mini
-from alpa_mini import AutoLayerOption, ClusterSpec, PipeshardParallel
+from alpa_mini import AutoLayerOption, ClusterSpec, PipeshardParallel, UniformStageOption
 from alpa_mini.graph.grad_capture import trace_with_grads
 from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline.executable import StepFun, prepare_step
@@ -118,7 +118,11 @@ def test_a_scanned_stack_the_plan_splits_is_traced_whole() -> None:
     params = init_gpt(config, jax.random.key(0))
     args = (params, opt.init(params), make_gpt_batch(config, jax.random.key(1), 8))
     avals, roles, tree = _flat(args)
-    method = PipeshardParallel(num_micro_batches=2, layer_option=AutoLayerOption(2))
+    method = PipeshardParallel(
+        num_micro_batches=2,
+        layer_option=AutoLayerOption(2),
+        stage_option=UniformStageOption(2, (1, 4)),
+    )
     cluster = ClusterSpec.named("cpu-2x4")
     alone = prepare_step(StepFun(step, (), tree), avals, roles, method, cluster, loss_only=True)
     assert alone.plan.scan_splits and alone.step is not None  # split in the step as well
