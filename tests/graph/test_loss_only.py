@@ -126,3 +126,19 @@ def test_a_scanned_stack_the_plan_splits_is_traced_whole() -> None:
     cluster = ClusterSpec.named("cpu-2x4")
     alone = prepare_step(StepFun(step, (), tree), avals, roles, method, cluster, loss_only=True)
     assert alone.plan.scan_splits and alone.step is not None  # split in the step as well
+
+
+def test_a_grad_call_inside_a_jit_is_still_refused() -> None:
+    """Its differentiated values are the jit's, not the step's: the record pass says so."""
+
+    def step(params: Any, other: Any, batch: Any) -> Any:
+        @jax.jit
+        def inner(p: Any) -> Any:
+            return alpa_mini.grad(lambda q: jnp.sum(q * q))(p)
+
+        return params - 0.1 * inner(params)
+
+    args = (jnp.ones((8, 8)), jnp.ones((16, 8)), jnp.ones((16, 8)))
+    avals, roles, tree = _flat(args)
+    with pytest.raises(ValueError, match=r"not inside a jax\.jit"):
+        trace_with_grads(StepFun(step, (), tree), avals, roles, 2, "pipeline", loss_only=True)
