@@ -107,6 +107,7 @@ def test_a_step_that_catches_exceptions_still_stops_at_its_grad_call() -> None:
     assert alone.closed is None and updates == []
 
 
+@pytest.mark.slow  # 3 s: a scanned GPT planned
 def test_a_scanned_stack_the_plan_splits_is_traced_whole() -> None:
     from alpa_mini.models.gpt import GPTConfig, gpt_loss, init_gpt, make_gpt_batch
 
