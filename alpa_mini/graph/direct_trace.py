@@ -140,8 +140,12 @@ def direct_call(
         differentiated = [x for x, d in zip(leaves, diff, strict=True) if d]
         # Inside a jit, vmap or scan of the step, its values are not the step's own: the
         # record pass says so (as ``_check_calls`` finds such a call missing at the top).
+        # Where the trace cannot be told (JAX's tracers without ``_trace``), the record pass
+        # decides too.
         step_trace = getattr(rec.step_inputs[0], "_trace", None) if rec.step_inputs else None
-        if any(getattr(x, "_trace", None) is not step_trace for x in differentiated):
+        if step_trace is None or any(
+            getattr(x, "_trace", None) is not step_trace for x in differentiated
+        ):
             raise NotDirect
         raise _LossCaptured(differentiated)
     values = _source_values(capture, leaves, rec.step_inputs)

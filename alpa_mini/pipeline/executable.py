@@ -338,9 +338,8 @@ def _searched(
             if first and c not in planned and c not in ahead:
                 try:
                     ahead[c] = trace_with_grads(
-                        step_fun, avals, roles, c, "pipeline", earlier=first[0],
-                        loss_only=loss_only,
-                    )  # fmt: skip
+                        step_fun, avals, roles, c, "pipeline", earlier=first[0]
+                    )
                 except Exception as err:  # raised again if the search plans c
                     ahead[c] = err.with_traceback(None)
 
