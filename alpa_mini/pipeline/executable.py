@@ -254,16 +254,14 @@ def prepare_step(
                 step_fun, avals, roles, method.num_micro_batches, "pipeline",
                 earlier=earlier, loss_only=loss_only and method.plan is None,
             )  # fmt: skip
-            if traced.closed is None and _splits_scans(traced, method):
-                # Scans split into sub-scans change the step as well: trace it whole.
-                traced = trace_with_grads(
-                    step_fun, avals, roles, method.num_micro_batches, "pipeline"
-                )
-        if on_traced is not None:
-            on_traced(traced)
         step, out_shape, capture, forward = _traced_parts(traced)
         plan = method.plan
         splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
+        if step is None and splits:  # sub-scans change the step as well: trace it whole
+            traced = trace_with_grads(step_fun, avals, roles, method.num_micro_batches, "pipeline")
+            step, out_shape, capture, forward = _traced_parts(traced)
+        if on_traced is not None:
+            on_traced(traced)
         try:
             step, capture, forward, pieces = apply_scan_splits(
                 step, capture, forward, splits, roles
@@ -439,12 +437,6 @@ def _check_splits(forward: ClosedJaxpr, splits: Sequence[ScanSplit]) -> None:
                 f"scan_splits[{i}].lengths: {list(s.lengths)} is invalid; expected positive "
                 f"lengths that sum to the scan's {n} iterations"
             )
-
-
-def _splits_scans(traced: TracedStep, method: PipeshardParallel) -> bool:
-    """Whether planning the traced step splits some scan of its loss into sub-scans."""
-    _, _, capture, forward = _traced_parts(traced)
-    return bool(_scan_splits(forward, capture, method))
 
 
 def _scan_splits(

@@ -107,24 +107,11 @@ def plan_shard(
     plans, trials, errors = [], [], []
     with lenient_gc():  # ILP building allocates many short-lived objects
         for shape in method.mesh_shapes(cluster.num_devices, cluster.devices_per_host):
-            t0 = time.perf_counter()
-            try:
-                plan = _plan_on(graph, cluster, method, roles, shape, aliases, donated)
-            except MemoryBudgetError as err:
-                errors.append((shape, err))
-                trial = _failed(shape, err, t0)
-            except ValueError as err:
-                if method.mesh_shape is not None or method.layout != "auto":
-                    raise ConfigError(str(err)) from None
-                errors.append((shape, err))
-                trial = _failed(shape, err, t0)
-            else:
+            plan, trial, error = _trial(graph, cluster, method, roles, shape, aliases, donated)
+            if plan is not None:
                 plans.append(plan)
-                trial = MeshTrial(
-                    shape, plan.predicted_time, time.perf_counter() - t0,
-                    outcome=str(plan.solver.get("status", "optimal")),
-                    peak_memory=plan.peak_memory, core_nodes=plan.solver.get("core_nodes"),
-                )  # fmt: skip
+            if error is not None:
+                errors.append((shape, error))
             trials.append(trial)
             if on_trial is not None:
                 on_trial(trial)
@@ -133,6 +120,29 @@ def plan_shard(
         _raise_nothing_fits(errors)
     best = min(plans, key=lambda p: p.predicted_time)
     return dataclasses.replace(best, mesh_search=tuple(trials))
+
+
+def _trial(
+    graph: OpGraph, cluster: ClusterSpec, method: ShardParallel, roles, shape, aliases, donated
+) -> tuple[ShardingPlan | None, MeshTrial, Exception | None]:
+    """Plan on one mesh shape: (the plan or None, its trial record, why it failed or None).
+    A shape the method named itself (or a preset layout) that has no layout is the user's
+    error, raised as a ``ConfigError``."""
+    t0 = time.perf_counter()
+    try:
+        plan = _plan_on(graph, cluster, method, roles, shape, aliases, donated)
+    except MemoryBudgetError as err:
+        return None, _failed(shape, err, t0), err
+    except ValueError as err:
+        if method.mesh_shape is not None or method.layout != "auto":
+            raise ConfigError(str(err)) from None
+        return None, _failed(shape, err, t0), err
+    trial = MeshTrial(
+        shape, plan.predicted_time, time.perf_counter() - t0,
+        outcome=str(plan.solver.get("status", "optimal")),
+        peak_memory=plan.peak_memory, core_nodes=plan.solver.get("core_nodes"),
+    )  # fmt: skip
+    return plan, trial, None
 
 
 def _failed(shape: tuple[int, ...], err: Exception, t0: float) -> MeshTrial:
