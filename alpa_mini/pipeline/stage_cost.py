@@ -29,6 +29,7 @@ from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
     PipeshardParallel,
 )
+from ..shard.accumulators import held_accumulators
 from ..shard.cost_model import CostModel
 from ..shard.plan import ShardingPlan
 from ..shard.problem import plan_sharding
@@ -147,6 +148,9 @@ class _StageModel:
         # axis): the memory-lean ZeRO-3 column and the free MIP's ZeRO-3 fallback are the same
         # ILP, and prefetch threads may ask for it at once; it is solved once.
         self._presets: dict[Any, Future] = {}
+        # (start, end) of the layers stages are composed from (individual profiling): their
+        # accumulators are priced after the solve (``shard.accumulators``).
+        self.composed_layers: frozenset[tuple[int, int]] = frozenset()
         self._lock = threading.Lock()
         self.stats = PlanningCounters()
         # While set, an ILP whose LP relaxation is fractional is not branched on: its cost is
@@ -385,7 +389,7 @@ class _StageModel:
         self, io: tuple[Any, ...], submesh: tuple[int, int], logical: tuple[int, ...], layout: str
     ) -> _StageJob:
         """Everything the stage's ILPs on one (submesh, logical mesh, layout) share."""
-        _, diff_in, nondiff_in, diff_out, nondiff_out, key = io
+        sl, diff_in, nondiff_in, diff_out, nondiff_out, key = io
         graph, res_total, param_bytes = self._graph(io)
         n_dev = submesh[0] * submesh[1]
         opt = self.method.default_auto_sharding_option
@@ -435,6 +439,7 @@ class _StageModel:
             memory=None if math.isinf(budget) else max(budget - state, 1.0),
             state=state,
             residual_bytes=res_total / n_dev,
+            layer=(sl.start, sl.end) in self.composed_layers,
         )
 
     def _solve_once(
@@ -481,6 +486,9 @@ class _StageModel:
                 # A deferred layer's bound leaves their load out, which a composed stage
                 # only pays for values from outside it: the bound holds either way.
                 free_inputs=job.handed if defer else (),
+                # With several micro-batches every gradient accumulates all step long.
+                accumulated=job.params if self.method.num_micro_batches > 1 else (),
+                accumulators_in_ilp=not job.layer,
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"
@@ -608,8 +616,10 @@ class _StageModel:
 
 def plan_held_bytes(plan: ShardingPlan, residual_bytes: float) -> float:
     """Bytes per device a layer planned as ``plan`` holds while the other layers of its
-    stage run: its parameters and their gradients in the layouts its ILP chose, and its
-    residuals (worked out once per plan; every composed table reads it)."""
+    stage run: its parameters in the layouts its ILP chose, their gradients as the runtime
+    keeps them (``shard.accumulators``: unreduced over the data-parallel axes, so a ZeRO
+    layout's a whole copy per group, even with one micro-batch) and its residuals (worked
+    out once per plan; every composed table reads it)."""
     params = sum(
         math.prod(t.shape)
         * np.dtype(t.dtype).itemsize
@@ -617,7 +627,7 @@ def plan_held_bytes(plan: ShardingPlan, residual_bytes: float) -> float:
         for t in plan.tensors
         if t.role == "param"
     )
-    return 2 * params + residual_bytes  # a gradient has its parameter's size
+    return params + held_accumulators(plan) + residual_bytes
 
 
 @dataclass(frozen=True)
@@ -640,6 +650,7 @@ class _StageJob:
     memory: float | None  # the ILP's budget: the stage's minus optimiser state
     state: float
     residual_bytes: float
+    layer: bool = False  # one of the layers a stage is composed from
 
 
 def _pinned_to(spec: ShardingSpec, also: Any, s: ShardingSpec) -> bool:

@@ -115,6 +115,8 @@ def plan_pipeline(
     ends = (*starts[1:], len(forward.jaxpr.eqns))
     model = _StageModel(forward, capture, cluster, method, state_bytes_total, param_bytes_total)
     so = method.stage_option
+    if isinstance(so, AutoStageOption) and so.profiling == "individual":
+        model.composed_layers = frozenset(zip(starts, ends, strict=True))
     if isinstance(so, AutoStageOption):
         sizes = (state_bytes_total, param_bytes_total)
         chosen = _auto_stages(model, starts, ends, sizes, progress)

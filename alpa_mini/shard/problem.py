@@ -11,6 +11,7 @@ throughout (donated ones until their last reader).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from ..solvers import (
 )
 from ..solvers.sharding.problem import FORBIDDEN_COST, evaluate
 from ..solvers.sharding.tie import repeated_groups, tie_nodes, untie_choice
+from .accumulators import accumulator_bytes, extra_bytes, fit_accumulators
 from .cost_model import CostModel
 from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
 from .spec import ShardingSpec
@@ -90,8 +92,14 @@ def build_sharding_problem(
     aliases: Sequence[tuple[int, int]] = (),
     donated: Sequence[int] = (),
     memory_budget: float | None = None,
+    accumulated: Sequence[int] = (),
+    dp_axes: tuple[int, ...] | None = None,
 ) -> ShardingInstance:
-    """The ILP instance of ``graph`` on ``cost.mesh``; see the module docstring."""
+    """The ILP instance of ``graph`` on ``cost.mesh``; see the module docstring.
+
+    ``accumulated``: inputs (parameters) whose gradient accumulator stays live all along, as
+    with several micro-batches (``accumulators``): counted in the parameter's layout, or
+    exactly where the rows' data-parallel axes are known (``dp_axes``, the rows pinned)."""
     n_in, n_ops, n_out = len(graph.inputs), len(graph.nodes), len(graph.outputs)
     alias_of_output = {o: i for i, o in aliases}
     twins = symmetric_axis_pairs(cost)
@@ -103,9 +111,16 @@ def build_sharding_problem(
     names = [graph.tensors[t].name for t in graph.inputs]
     names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
     names += [f"out{k}" for k in range(n_out)]
+    usages = [[s.memory for s in strats] for strats in strategies]
+    for i in accumulated:  # with no axes known: in the parameter's own layout
+        nbytes, axes = graph.tensors[graph.inputs[i]].nbytes, dp_axes or ()
+        usages[i] = [
+            u + accumulator_bytes(nbytes, s.out_specs[0], cost.mesh.shape, axes)
+            for u, s in zip(usages[i], strategies[i], strict=True)
+        ]
     problem = ShardingProblem.from_lists(
         costs=[[s.compute + s.comm for s in strats] for strats in strategies],
-        usages=[[s.memory for s in strats] for strats in strategies],
+        usages=usages,
         intervals=_intervals(graph, set(donated)),
         edges=list(edges.keys()),
         edge_costs=[m.ravel() for m in edges.values()],
@@ -354,6 +369,8 @@ def plan_sharding(
     solve: Callable[..., ShardingSolution] = solve_sharding,
     defer_fractional: bool = False,
     free_inputs: Sequence[int] = (),
+    accumulated: Sequence[int] = (),
+    accumulators_in_ilp: bool = True,
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
@@ -365,7 +382,66 @@ def plan_sharding(
     seconds) where the LP relaxation does not settle the ILP, instead of branching;
     ``free_inputs``: its bound then leaves out what these inputs' layouts cost (values the
     caller prices itself, such as activations handed on inside a pipeline stage).
+    ``accumulated``: parameters whose gradient accumulators stay live all along (several
+    micro-batches), priced as ``accumulators`` explains; ``accumulators_in_ilp=False``: only
+    added to the plan's peak after the solve (which may then exceed the budget).
     """
+    once = functools.partial(
+        _plan_once,
+        graph,
+        cost,
+        axis_names,
+        output_filters=output_filters,
+        aliases=aliases,
+        donated=donated,
+        memory_budget=memory_budget,
+        backend=backend,
+        time_limit=time_limit,
+        tie_repeats=tie_repeats,
+        solve=solve,
+        defer_fractional=defer_fractional,
+        free_inputs=free_inputs,
+        accumulated=accumulated if accumulators_in_ilp else (),
+    )
+    filters = list(input_filters or [None] * len(graph.inputs))
+    plan, inst = once(input_filters=filters, dp_axes=None)
+    specs = [plan.tensors[t].spec for t in plan.inputs]
+    mesh = cost.mesh.shape
+    extra = extra_bytes(graph, specs, accumulated, mesh, accumulators_in_ilp) if accumulated else 0
+    if extra <= 0.0:
+        return plan
+    plan = dataclasses.replace(plan, peak_memory=plan.peak_memory + extra)
+    if not accumulators_in_ilp or memory_budget is None or plan.peak_memory <= memory_budget:
+        return plan
+    if defer_fractional:  # the relaxed plan's cost bounds every exact one
+        bound = plan.solver["objective"]
+        if free_inputs:
+            bound = _bound_without(inst.problem, free_inputs, backend, time_limit, solve)
+        raise FractionalRelaxation("the accumulators do not fit the relaxed plan", bound)
+    layouts = [[s.out_specs[0] for s in strats] for strats in inst.strategies[: inst.num_inputs]]
+    return fit_accumulators(graph, cost.mesh.shape, layouts, filters, memory_budget, once)
+
+
+def _plan_once(
+    graph: OpGraph,
+    cost: CostModel,
+    axis_names: Sequence[str],
+    *,
+    input_filters: Sequence[SpecFilter | None],
+    output_filters: Sequence[SpecFilter | None] | None,
+    aliases: Sequence[tuple[int, int]],
+    donated: Sequence[int],
+    memory_budget: float | None,
+    backend: str,
+    time_limit: float | None,
+    tie_repeats: bool,
+    solve: Callable[..., ShardingSolution],
+    defer_fractional: bool,
+    free_inputs: Sequence[int],
+    accumulated: Sequence[int],
+    dp_axes: tuple[int, ...] | None,
+) -> tuple[ShardingPlan, ShardingInstance]:
+    """One build, solve and read-back (``plan_sharding``)."""
     global _builds_started
     with _BUILD_LOCK:
         _builds_started += 1
@@ -378,6 +454,8 @@ def plan_sharding(
             aliases=aliases,
             donated=donated,
             memory_budget=memory_budget,
+            accumulated=accumulated,
+            dp_axes=dp_axes,
         )
         build_time = time.perf_counter() - t0
     try:
@@ -406,7 +484,7 @@ def plan_sharding(
             "(raise the budget, use more devices, or a larger mesh)",
             min_peak,
         ) from None
-    return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time)
+    return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time), inst
 
 
 def build_activity() -> tuple[int, bool]:

@@ -224,3 +224,35 @@ def test_fused_programs_move_the_same_gradient_bytes():
         else:
             assert any({"fwd1", "bwd1"} <= set(parts.get(r, ())) for r in runs), runs
             assert len(runs) < len(plain_runs)
+
+
+@pytest.mark.parametrize("layout", ["zero3", "data"])
+def test_accumulators_hold_per_device_what_the_planner_counts(layout):
+    """Each of the later backwards returns the stage's accumulators. ZeRO-3 shards the
+    parameters over the 8 devices, but a data-parallel group's unreduced partial is still a
+    whole gradient per device: what ``shard.accumulators`` prices (and 8x the parameter)."""
+    from alpa_mini.models import sgd
+    from alpa_mini.shard.accumulators import accumulator_bytes
+    from alpa_mini.shard.spec import ShardingSpec
+
+    params, batch = marked_mlp_args(4, 64, 128)
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    args = (params, opt.init(params), batch)
+    ex = alpa_mini.parallelize(step, method=_method(4, layout=layout)).get_executable(*args)
+    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
+
+    def recorded(*a):
+        outs = program(*a)
+        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
+        return outs
+
+    ex.runtime.programs["bwd0"] = recorded
+    ex(*args)
+    # The parameters' layout: split over the one mesh axis (ZeRO-3) or replicated, the rows
+    # split over it either way.
+    spec = ShardingSpec(((0,), ()) if layout == "zero3" else ((), ()))
+    want = 4 * accumulator_bytes(64 * 64 * 4, spec, (8,), (0,))
+    assert held == [want] * 3 and want == 4 * 64 * 64 * 4
