@@ -1,7 +1,9 @@
 """Gradient accumulators a pipeline stage keeps across micro-batches, as its ILP prices them.
 
-With more than one micro-batch, each parameter's gradient is added into an accumulator that
-lives from the stage's first backward to the step's end (``pipeline/lower/partials.py``).
+Each parameter's gradient is added into an accumulator that lives from the stage's first
+backward to the step's end (``pipeline/lower/partials.py``): with several micro-batches,
+through every later forward too, which is what the ILPs below count (with one, a whole-stage
+ILP counts each gradient from its production, in its reduced layout).
 A parameter read by data-parallel rows keeps its group's *unreduced* partial sum: laid out
 like the parameter less the data-parallel axes (the mesh axes that split the rows), so a
 layout sharded over those axes (ZeRO) still holds a whole copy per group. Other parameters
@@ -19,7 +21,7 @@ The layers a pipeline stage is composed from are priced after the solve instead
 (``plan_sharding(accumulators_in_ilp=False)``): their ILPs are solved as without
 accumulators and each plan's peak gains its own. A layer's budget is the whole device's, a
 necessary condition only; the composed stage's memory (``pipeline/compose.py``) is the
-check, and counting accumulators inside the layer ILPs made them bind and solve 1.9x slower
+check, and counting accumulators inside the layer ILPs made them bind and solve 1.8x slower
 on Megatron's 1T model for the same plan.
 """
 

@@ -97,3 +97,19 @@ def test_held_bytes_count_a_zero_layouts_accumulator_whole(case) -> None:
     assert (w.spec.dims, x.spec.dims) == (((0,), ()), ((0,), ()))  # ZeRO: both split
     # Half the weight (2 MiB) plus a whole accumulator (4 MiB), plus the residuals given.
     assert plan_held_bytes(plan, 1.0) == 2 * MiB + 4 * MiB + 1.0
+
+
+def test_a_composed_layers_accumulators_are_added_after_the_solve(case) -> None:
+    """``accumulators_in_ilp=False`` (the layers a stage is composed from): the plan of the
+    ILP without accumulators, its peak raised by exactly its own accumulators, even past the
+    budget, which the composed stage's memory then judges."""
+    graph, cost = case
+    plain = plan_sharding(graph, cost, ("x",), memory_budget=46 * MiB)
+    after = plan_sharding(
+        graph, cost, ("x",), memory_budget=46 * MiB, accumulated=[0], accumulators_in_ilp=False
+    )
+    assert [t.spec for t in after.tensors] == [t.spec for t in plain.tensors]
+    assert after.predicted_time == plain.predicted_time
+    w, x = (after.tensors[t] for t in after.inputs)
+    dp = data_parallel_axes([x.spec], (2,))
+    assert after.peak_memory == plain.peak_memory + accumulator_bytes(4 * MiB, w.spec, (2,), dp)
