@@ -413,9 +413,9 @@ def plan_sharding(
     plan = dataclasses.replace(plan, peak_memory=plan.peak_memory + extra)
     if not accumulators_in_ilp or memory_budget is None or plan.peak_memory <= memory_budget:
         return plan
-    if defer_fractional:  # the relaxed plan's cost bounds every exact one
+    if defer_fractional:  # the relaxed optimum bounds every exact plan
         bound = plan.solver["objective"]
-        if free_inputs:
+        if free_inputs or plan.solver["status"] != "optimal":
             bound = _bound_without(inst.problem, free_inputs, backend, time_limit, solve)
         raise FractionalRelaxation("the accumulators do not fit the relaxed plan", bound)
     layouts = [[s.out_specs[0] for s in strats] for strats in inst.strategies[: inst.num_inputs]]

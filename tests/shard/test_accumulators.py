@@ -19,6 +19,7 @@ from alpa_mini.shard import CostModel, problem
 from alpa_mini.shard.accumulators import accumulator_bytes, data_parallel_axes
 from alpa_mini.shard.problem import build_sharding_problem, plan_sharding
 from alpa_mini.shard.spec import ShardingSpec
+from alpa_mini.solvers import FractionalRelaxation
 
 A100 = ClusterSpec.named("dgx-a100")
 MiB = 2**20
@@ -113,3 +114,16 @@ def test_a_composed_layers_accumulators_are_added_after_the_solve(case) -> None:
     w, x = (after.tensors[t] for t in after.inputs)
     dp = data_parallel_axes([x.spec], (2,))
     assert after.peak_memory == plain.peak_memory + accumulator_bytes(4 * MiB, w.spec, (2,), dp)
+
+
+def test_a_deferred_solve_whose_relaxed_plan_does_not_fit_raises_a_bound(case) -> None:
+    """Where bounds are asked for (``defer_fractional``), a relaxed plan that does not fit
+    with its accumulators gives its optimum as the bound, which the exact plan never beats."""
+    graph, cost = case
+    budget = 44 * MiB  # the relaxed plan is ZeRO's, 46 MiB with its accumulator
+    with pytest.raises(FractionalRelaxation, match="accumulators do not fit") as info:
+        plan_sharding(
+            graph, cost, ("x",), memory_budget=budget, accumulated=[0], defer_fractional=True
+        )
+    exact = plan_sharding(graph, cost, ("x",), memory_budget=budget, accumulated=[0])
+    assert 0 < info.value.lower_bound <= exact.solver["objective"]
