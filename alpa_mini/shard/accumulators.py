@@ -64,15 +64,13 @@ def row_inputs(graph: OpGraph | ShardingPlan) -> list[int]:
 def held_accumulators(plan: ShardingPlan) -> float:
     """Bytes per device of the accumulators of a plan's parameters, with its own rows'
     data-parallel axes."""
-    inputs = [plan.tensors[t] for t in plan.inputs]
-    dp = data_parallel_axes([inputs[i].spec for i in row_inputs(plan)], plan.mesh_shape)
-    return sum(
-        accumulator_bytes(
-            math.prod(t.shape) * np.dtype(t.dtype).itemsize, t.spec, plan.mesh_shape, dp
-        )
-        for t in inputs
-        if t.role == "param" and t.spec is not None
-    )
+    specs = [plan.tensors[t].spec for t in plan.inputs]
+    params = [i for i, t in enumerate(plan.inputs) if plan.tensors[t].role == "param"]
+    return extra_bytes(plan, specs, params, plan.mesh_shape, counted=False)
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
 
 
 def data_parallel_axes(
@@ -96,7 +94,7 @@ def accumulator_bytes(
 
 
 def extra_bytes(
-    graph: OpGraph,
+    graph: OpGraph | ShardingPlan,
     specs: Sequence[ShardingSpec | None],
     accumulated: Sequence[int],
     mesh_shape: Sequence[int],
@@ -111,7 +109,8 @@ def extra_bytes(
         spec = specs[i]
         if spec is None:
             continue
-        nbytes = graph.tensors[graph.inputs[i]].nbytes
+        t = graph.tensors[graph.inputs[i]]  # an op graph's Tensor or a plan's TensorPlan
+        nbytes = t.nbytes if hasattr(t, "nbytes") else math.prod(t.shape) * _itemsize(t.dtype)
         extra += accumulator_bytes(nbytes, spec, mesh_shape, dp)
         if counted:
             extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())
