@@ -27,8 +27,10 @@ on Megatron's 1T model for the same plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -174,16 +176,13 @@ def pinned_rows(
     (and its own filter, if any)."""
     out = list(filters)
     for i in row_inputs(graph):
-        out[i] = _RowsOver(dp_axes, tuple(mesh_shape), out[i])
+        out[i] = functools.partial(_rows_over, dp_axes, tuple(mesh_shape), out[i])
     return out
 
 
-class _RowsOver:
-    """A spec filter: rows split over exactly ``axes`` (unsplit: no axis of size > 1)."""
-
-    def __init__(self, axes: tuple[int, ...], mesh_shape: tuple[int, ...], also) -> None:
-        self.axes, self.mesh_shape, self.also = axes, mesh_shape, also
-
-    def __call__(self, spec: ShardingSpec) -> bool:
-        ok = data_parallel_axes([spec], self.mesh_shape) == self.axes
-        return ok and (self.also is None or self.also(spec))
+def _rows_over(
+    axes: tuple[int, ...], mesh_shape: Sequence[int], also: Any, spec: ShardingSpec
+) -> bool:
+    """A spec filter: rows split over exactly ``axes`` (and ``also``, if any)."""
+    ok = data_parallel_axes([spec], mesh_shape) == axes
+    return ok and (also is None or also(spec))
