@@ -37,6 +37,18 @@ def update_section(name: str, markdown: str) -> None:
     REPORT.write_text(text)
 
 
+#: The memory model a row is priced with, recorded per row (``memory_model``): since issue 23
+#: (2026-11-28) the planner counts the gradient accumulators the runtime keeps from a stage's
+#: first backward to the step's end (``alpa_mini/shard/accumulators.py``). Rows without the
+#: field were priced before, when only a gradient in flight was counted.
+MEMORY_MODEL = "accumulators"
+
+
+def without_accumulators(rows: list[dict[str, Any]], field: str = "memory_model") -> list[str]:
+    """The models of ``rows`` priced before the planner counted gradient accumulators."""
+    return [r["model"] for r in rows if r.get(field) != MEMORY_MODEL]
+
+
 #: A child's stdout line with this prefix is echoed by the parent as it arrives.
 PROGRESS = "PROGRESS "
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._report import update_section
+from ._report import MEMORY_MODEL, update_section
 from .megatron_compare import ROWS as MEGATRON_ROWS
 from .plan_quality import SUITES, cluster_for
 
@@ -142,8 +142,9 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         "count, the ILP free inside each stage, so stronger than Megatron-LM's own layouts; "
         "target ≤ 1.00):",
         "",
-        "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults s | defaults / Megatron |",
-        "|---|---:|---|---:|---:|---:|",
+        "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults s | defaults / Megatron "
+        "| accumulators (Megatron, defaults) |",
+        "|---|---:|---|---:|---:|---:|---|",
     ]
     ratios = []
     for r in rows:
@@ -153,12 +154,18 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         ratios.append(ratio)
         lines.append(
             f"| {r['model']} | {r['gpus']} | {pub['dp']}/{pub['tp']}/{pub['pp']} | "
-            f"{t['theirs']:.2f} | {r['predicted_s']:.2f} | {ratio:.3f} |"
+            f"{t['theirs']:.2f} | {r['predicted_s']:.2f} | {ratio:.3f} | "
+            f"{_counted(t)}, {_counted(r)} |"
         )
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
     worst = max(ratios)
     lines += ["", f"Geometric mean {geo:.3f} over {len(ratios)} rows; worst {worst:.3f}."]
     return lines
+
+
+def _counted(r: dict[str, Any]) -> str:
+    """Whether a row was priced with the gradient accumulators counted (issue 23)."""
+    return "yes" if r.get("memory_model") == MEMORY_MODEL else "no"
 
 
 def to_markdown(results: list[dict[str, Any]], when: str) -> str:
@@ -169,7 +176,9 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         f"Command: `python -m benchmarks.default_plans [--models ...]` ({when}), 2 cores, alone "
         "unless the *run beside* column names what ran beside the row (planning seconds are "
         "then inflated and not comparable with the targets). *Sync*: the gradient-sync pricing "
-        "the defaults had when the row ran (`after` before the default became `ilp`). Each row is "
+        "the defaults had when the row ran (`after` before the default became `ilp`). *Acc.*: "
+        "whether the planner counted the gradient accumulators the runtime keeps (from "
+        "2026-11-28; rows marked no were planned before, with less memory counted). Each row is "
         "`alpa-mini plan --model M --cluster dgx-a100 --hosts H` with no other flag, in a fresh "
         "process: the micro-batch count searched (the batch's divisors nearest each power of "
         "two, by bisection), every (dp, tp) with tp in a host, ZeRO-3 layers offered, blocks "
@@ -187,12 +196,12 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         + ", 4 GiB of RSS everywhere.",
         "",
         "| model | GPUs | B | stages | act. | predicted s/iter | tuned s | ratio | planning s "
-        "| peak RSS GiB | B planned | sync | run beside |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| peak RSS GiB | B planned | sync | acc. | run beside |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 10 + f" {r['error']} |")
+            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 11 + f" {r['error']} |")
             continue
         said = {b: "no fit" if t is None else f"{t:.2f}" for b, t in r["tried"]}
         said |= {b: f">{t:.2f}" for b, t in r.get("dominated", [])}
@@ -208,7 +217,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             f"| {r['model']} | {r['gpus']} | {r['micro_batches']} | {r['stages']} | {act} | "
             f"{r['predicted_s']:.2f} | {'–' if best is None else f'{best:.2f}'} | {ratio} | "
             f"{r['planning_s']:.1f} | {rss} | {tried} | {r.get('sync', 'after')} | "
-            f"{r.get('beside') or 'alone'} |"
+            f"{_counted(r)} | {r.get('beside') or 'alone'} |"
         )
     return "\n".join(lines + published_lines(results))
 
@@ -254,7 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         print(f"{model} ...", flush=True)
         today = datetime.date.today().isoformat()
-        result = {**row(model), "sync": _default_sync(), "beside": args.beside, "date": today}
+        result = {
+            **row(model),
+            "sync": _default_sync(),
+            "memory_model": MEMORY_MODEL,
+            "beside": args.beside,
+            "date": today,
+        }
         print(json.dumps(result), flush=True)
         kept = [r for r in kept if r["model"] != model] + [result]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

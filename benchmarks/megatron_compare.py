@@ -4,6 +4,7 @@ the simulated iteration time of both on A100 hosts of 8.
 
     alpa-mini bench megatron                            # every row; BENCHMARKS.md + CSV
     alpa-mini bench megatron --models megatron-1.7b --no-write
+    alpa-mini bench megatron --ours kept    # re-price Megatron's sides, keep our plans
 
 Megatron's plan is priced at its published configuration: ``pp`` equal stages of
 ``dp x tp`` devices (tensor parallelism inside a host), the batch split on the dp axis, and
@@ -16,7 +17,9 @@ best (the paper's micro-batch size is not in the table). Activations are stored 
 published plan fits no count that way; then every side is priced with every block
 recomputed (``GPTConfig.remat``). Ours is the stage DP (``refine=True``, logical meshes
 ``model_parallel_in_host``) over the same micro-batch counts. Each row runs in a fresh
-process; rows run before the Megatron-LM layouts column show "–" there.
+process; rows run before the Megatron-LM layouts column show "–" there. Rows record the
+memory model they were priced with (``_report.MEMORY_MODEL``), and the table lists the sides
+priced before the gradient accumulators counted.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ import math
 import sys
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks._report import (
+    MEMORY_MODEL,
     RESULTS,
     earlier_rows,
     not_rerun,
     progress,
     run_child,
     update_section,
+    without_accumulators,
 )
 
-__all__ = ["ROWS", "main", "plan_summary", "row"]
+__all__ = ["ROWS", "keep_ours", "main", "plan_summary", "row"]
 
 PROG = "alpa-mini bench megatron"
 ROWS = (
@@ -65,6 +70,8 @@ GRAD_SYNC = "per-step"
 #: charged that move once per micro-batch while the stage cost charged the rest once per step.
 GRAD_SYNC_ILP = "per-step"
 STALE = "per step\\*"  # a per-step row whose ILPs still charged the move per micro-batch
+#: Our side of a row: planned now with the tuned settings, or kept from its earlier run.
+Ours = Literal["tuned", "kept"]
 BEFORE = "megatron-before-grad-sync.json"
 
 
@@ -77,8 +84,9 @@ def _micro_batch_counts(batch: int, dp: int) -> list[int]:
     return out
 
 
-def row(name: str, time_limit: float) -> dict[str, Any]:
-    """Megatron's published configuration and ours for one table row."""
+def row(name: str, time_limit: float, ours: Ours = "tuned") -> dict[str, Any]:
+    """Megatron's published configuration and ours for one table row; with ``ours="kept"``
+    only Megatron's sides (the caller keeps our plan from the row's earlier run)."""
     import jax
 
     import alpa_mini
@@ -181,8 +189,24 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
             "Megatron-LM layouts",
         )
     lm_seconds = time.perf_counter() - t0
+    megatron = {
+        "model": name,
+        "gpus": spec.gpus,
+        "published": pub,
+        "theirs": theirs,
+        "their_B": None if their_plan is None else their_plan.num_micro_batches,
+        "their_reasons": their_reasons,
+        "recomputed": recompute,
+        "their_seconds": their_seconds,
+        "megatron_lm": lm,
+        "megatron_lm_B": None if lm_plan is None else lm_plan.num_micro_batches,
+        "megatron_lm_reasons": lm_reasons,
+        "megatron_lm_seconds": lm_seconds,
+    }
+    if ours == "kept":
+        return megatron
     t0 = time.perf_counter()
-    ours, our_plan, our_reasons = best_of(
+    mine, our_plan, our_reasons = best_of(
         current,
         lambda b: alpa_mini.PipeshardParallel(
             num_micro_batches=b,
@@ -196,23 +220,30 @@ def row(name: str, time_limit: float) -> dict[str, Any]:
         "ours",
     )
     return {
-        "model": name,
-        "gpus": spec.gpus,
-        "published": pub,
-        "theirs": theirs,
-        "their_B": None if their_plan is None else their_plan.num_micro_batches,
-        "their_reasons": their_reasons,
-        "recomputed": recompute,
-        "ours": ours,
+        **megatron,
+        "ours": mine,
         "our_choice": plan_summary(our_plan),
         "our_reasons": our_reasons,
-        "their_seconds": their_seconds,
-        "megatron_lm": lm,
-        "megatron_lm_B": None if lm_plan is None else lm_plan.num_micro_batches,
-        "megatron_lm_reasons": lm_reasons,
-        "megatron_lm_seconds": lm_seconds,
         "planning_s": time.perf_counter() - t0,
     }
+
+
+#: Our side's fields, which ``--ours kept`` carries over from the row's earlier run.
+OUR_FIELDS = ("ours", "our_choice", "our_reasons", "planning_s")
+
+
+def keep_ours(measured: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
+    """``measured`` (Megatron's sides only) with our side of the row's earlier run, dated
+    (``ours_date``): the table then says which run priced which side."""
+    if earlier is None:
+        raise SystemExit(
+            f"--ours kept: {measured['model']} has no earlier row in megatron.json to keep our "
+            "plan from; run it with --ours tuned"
+        )
+    when = earlier.get("ours_date", earlier.get("date", ""))
+    model = earlier.get("ours_memory_model", earlier.get("memory_model"))
+    kept = {k: earlier[k] for k in OUR_FIELDS}
+    return {**measured, **kept, "ours_date": when, "ours_memory_model": model}
 
 
 def plan_summary(plan: Any) -> dict[str, Any] | None:
@@ -237,8 +268,8 @@ def plan_summary(plan: Any) -> dict[str, Any] | None:
     }
 
 
-def _child(name: str, time_limit: float) -> dict[str, Any]:
-    args = ["--child", name, "--time-limit", str(time_limit)]
+def _child(name: str, time_limit: float, ours: Ours) -> dict[str, Any]:
+    args = ["--child", name, "--time-limit", str(time_limit), "--ours", ours]
     return run_child("benchmarks.megatron_compare", args, timeout=4 * 3600)
 
 
@@ -300,6 +331,7 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             notes.append(f"- {r['model']}, Megatron-LM layouts: {why}")
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
+    notes += _memory_notes(results)
     stale = [r["model"] for r in results if _sync_text(r) == STALE]
     if stale:
         notes.append(
@@ -308,6 +340,22 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             "once per micro-batch, leaning against data parallelism); to be re-run"
         )
     return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
+
+
+def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
+    """Which sides of which rows were priced before the gradient accumulators counted, and
+    which rows keep our plan from an earlier run (``--ours kept``)."""
+    out = []
+    theirs = without_accumulators(results)
+    if theirs:
+        out.append(f"- Megatron's sides priced without gradient accumulators: {', '.join(theirs)}")
+    ours = without_accumulators(results, "ours_memory_model")
+    if ours:
+        out.append(f"- Ours priced without gradient accumulators: {', '.join(ours)}")
+    kept = [f"{r['model']} ({r['ours_date']})" for r in results if "ours_date" in r]
+    if kept:
+        out.append(f"- Ours kept from an earlier run (`--ours kept`): {', '.join(kept)}")
+    return out
 
 
 def _sync_text(r: dict[str, Any]) -> str:
@@ -337,10 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(ROWS))
     parser.add_argument("--time-limit", type=float, default=ILP_TIME_LIMIT)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--ours",
+        choices=["tuned", "kept"],
+        default="tuned",
+        help="our plan: planned with the tuned settings, or kept from the row's earlier run "
+        "(only Megatron's sides re-priced)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.child:
-        print("RESULT " + json.dumps(row(opts.child, opts.time_limit)), flush=True)
+        print("RESULT " + json.dumps(row(opts.child, opts.time_limit, opts.ours)), flush=True)
         return 0
     models = [m for m in opts.models.split(",") if m]
     unknown = [m for m in models if m not in ROWS]
@@ -349,13 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     command = f"{PROG} " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     kept = [] if opts.no_write else earlier_rows("megatron.json")
+    before = {r["model"]: r for r in (kept or earlier_rows("megatron.json"))}
     results = []
     for k, name in enumerate(models):
         print(f"{name} ...", flush=True)
-        measured = _child(name, opts.time_limit)
+        measured = _child(name, opts.time_limit, opts.ours)
+        if opts.ours == "kept":
+            measured = keep_ours(measured, before.get(name))
         today = datetime.date.today().isoformat()
         sync = {"grad_sync": GRAD_SYNC, "grad_sync_ilp": GRAD_SYNC_ILP}
-        results.append({**measured, "date": today, **sync})
+        memory = {"memory_model": MEMORY_MODEL}
+        if opts.ours == "tuned":
+            memory["ours_memory_model"] = MEMORY_MODEL
+        results.append({**sync, **measured, "date": today, **memory})
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"

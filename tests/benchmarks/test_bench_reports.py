@@ -147,6 +147,39 @@ def test_bench_names_its_benchmarks(capsys):
     assert "plan-quality" in capsys.readouterr().err
 
 
+def test_megatron_rows_kept_ours_and_the_memory_model_they_were_priced_with():
+    from benchmarks.megatron_compare import keep_ours
+    from benchmarks.megatron_compare import to_markdown as megatron_markdown
+
+    earlier = {
+        "model": "megatron-x",
+        "gpus": 32,
+        "published": {"dp": 32, "tp": 1, "pp": 1},
+        "theirs": 10.0,
+        "their_B": 8,
+        "their_reasons": [],
+        "ours": 8.0,
+        "our_choice": {"dp": 4, "tp": 8, "pp": 1, "B": 16},
+        "our_reasons": [],
+        "planning_s": 3.0,
+        "date": "2026-11-26",
+    }
+    # Megatron's sides re-priced (slower now), ours carried over with its date.
+    theirs = {k: v for k, v in earlier.items() if k not in ("ours", "our_choice", "date")}
+    measured = dict(theirs, theirs=12.0, memory_model="accumulators")
+    row = keep_ours(measured, earlier)
+    assert (row["ours"], row["theirs"], row["ours_date"]) == (8.0, 12.0, "2026-11-26")
+    assert row["our_choice"] == earlier["our_choice"] and row["planning_s"] == 3.0
+    assert keep_ours(measured, row)["ours_date"] == "2026-11-26"  # kept twice: still its own
+    text = megatron_markdown([row, earlier], "alpa-mini bench megatron", 1.0)
+    assert "| 8.00 | 0.667 |" in text  # ours / Megatron over the re-priced side
+    assert "- Megatron's sides priced without gradient accumulators: megatron-x\n" in text
+    assert "- Ours priced without gradient accumulators: megatron-x, megatron-x\n" in text
+    assert "- Ours kept from an earlier run (`--ours kept`): megatron-x (2026-11-26)" in text
+    with pytest.raises(SystemExit, match="megatron-x has no earlier row"):
+        keep_ours(measured, None)
+
+
 def test_megatron_rows_report_both_layouts_and_the_ratio():
     from benchmarks.megatron_compare import _micro_batch_counts
     from benchmarks.megatron_compare import to_markdown as megatron_markdown
@@ -189,7 +222,7 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
     # A re-run row shows its per-micro-batch figures beside (benchmarks/results snapshot).
     again = dict(result, model="megatron-1.7b", **per_step)
     text = megatron_markdown([again], "alpa-mini bench megatron", 1.0)
-    assert text.rstrip().endswith("| 8.04, 8/4/1 (B8) 6.74 |"), text
+    assert "| 8.04, 8/4/1 (B8) 6.74 |\n" in text, text
     # A row whose stage ILPs still priced the gradient's move per micro-batch is marked.
     stale = dict(result, grad_sync="per-step")
     text = megatron_markdown([stale], "alpa-mini bench megatron", 1.0)
@@ -251,3 +284,27 @@ def test_benchmark_children_report_progress_results_and_failures(capsys):
     # A SIGKILL from outside (the out-of-memory killer) is not called a timeout.
     with pytest.raises(RuntimeError, match=r"killed \(SIGKILL, most likely out of memory\)"):
         run_child("tests.helpers.bench_child_probe", ["killed"], timeout=120)
+
+
+def test_default_plans_rows_say_whether_accumulators_were_counted():
+    from benchmarks.default_plans import to_markdown as defaults_markdown
+
+    base = {
+        "model": "gpt-x",
+        "gpus": 8,
+        "micro_batches": 64,
+        "stages": 1,
+        "predicted_s": 10.0,
+        "planning_s": 4.0,
+        "peak_rss_gib": 0.5,
+        "rss": "VmHWM",
+        "tried": [[32, None], [64, 10.0]],
+        "sync": "ilp",
+    }
+    now = dict(base, memory_model="accumulators")
+    text = defaults_markdown([base, now], "2026-11-28")
+    assert "| 32: no fit, 64: 10.00 | ilp | no | alone |" in text
+    assert "| 32: no fit, 64: 10.00 | ilp | yes | alone |" in text
+    header = next(line for line in text.splitlines() if line.startswith("| model"))
+    rule = next(line for line in text.splitlines() if line.startswith("|---"))
+    assert header.count("|") == rule.count("|")  # the new column in both
