@@ -29,6 +29,7 @@ import time
 from typing import Any, Literal
 
 from benchmarks._report import (
+    MEMORY_MODEL,
     RESULTS,
     earlier_rows,
     not_rerun,
@@ -328,6 +329,8 @@ def to_csv_rows(
                 f"micro-batch counts {', '.join(map(str, counts))} for both sides: the "
                 f"divisors of its batch of {r['batch_size']} nearest to the defaults"
             )
+        if r.get("memory_model") != MEMORY_MODEL:
+            notes.append("priced (in part) before the planner counted gradient accumulators")
         if not math.isfinite(ours):
             notes.append("ours: " + ("; ".join(r["ours"]["reasons"]) or "no plan")[:300])
         elif not math.isfinite(base["time"]):
@@ -607,7 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         if subset is not None:
             result = _merged(result, by_model.get(name))
         today = datetime.date.today().isoformat()
-        results.append({**result, "date": today, "grad_sync": GRAD_SYNC})
+        # The row's memory model holds only if every baseline kept is priced with it too.
+        fresh = subset is None or by_model.get(name, {}).get("memory_model") == MEMORY_MODEL
+        memory = {"memory_model": MEMORY_MODEL} if fresh else {}
+        results.append({**result, "date": today, "grad_sync": GRAD_SYNC, **memory})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
             partial = "" if k == len(models) - 1 else f" (partial: {k + 1} of {len(models)} rows)"
