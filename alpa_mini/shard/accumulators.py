@@ -8,7 +8,10 @@ A parameter read by data-parallel rows keeps its group's *unreduced* partial sum
 like the parameter less the data-parallel axes (the mesh axes that split the rows), so a
 layout sharded over those axes (ZeRO) still holds a whole copy per group. Other parameters
 accumulate in their own layout, which is never larger; counting every parameter as a partial
-errs on the safe side.
+errs on the safe side. The exception is exact: a parameter whose layout splits a dimension a
+contraction pairs with the rows' values (``paired_dims``: an expert dimension, each expert's
+weight with its own tokens) over the data-parallel axes is not grouped by the runtime (expert
+parallelism needs no reduction), so it accumulates in its own layout.
 
 An ILP node's usage cannot depend on another node's choice, and the data-parallel axes are
 the rows' choice. So the ILP first counts each accumulator in its parameter's own layout
@@ -46,6 +49,7 @@ __all__ = [
     "extra_bytes",
     "fit_accumulators",
     "held_accumulators",
+    "paired_dims",
     "pinned_rows",
     "row_axis_choices",
     "row_inputs",
@@ -87,12 +91,46 @@ def data_parallel_axes(
 
 
 def accumulator_bytes(
-    nbytes: float, spec: ShardingSpec, mesh_shape: Sequence[int], dp_axes: Sequence[int]
+    nbytes: float,
+    spec: ShardingSpec,
+    mesh_shape: Sequence[int],
+    dp_axes: Sequence[int],
+    paired: Sequence[int] = (),
 ) -> float:
     """Bytes per device of the accumulator of a parameter of ``nbytes`` laid out as ``spec``:
-    split only over the axes of ``spec`` that do not split the rows."""
+    split only over the axes of ``spec`` that do not split the rows, unless it splits one of
+    its ``paired`` dimensions over them (expert parallelism: its own layout)."""
+    if any(set(spec.dims[d]) & set(dp_axes) for d in paired if d < spec.ndim):
+        dp_axes = ()
     split = math.prod(mesh_shape[a] for a in spec.used_axes if a not in dp_axes)
     return nbytes / split
+
+
+def paired_dims(graph: OpGraph) -> dict[int, tuple[int, ...]]:
+    """Per parameter input (position), the dimensions a ``dot_general`` reading it (or a cast
+    of it, its shape kept) takes as batch dimensions, paired with the other operand's: what
+    the runtime's ``plan_partials`` does not group when they split over the rows' axes."""
+    users = graph.consumers()
+    out: dict[int, tuple[int, ...]] = {}
+    for i, t in enumerate(graph.inputs):
+        tensor = graph.tensors[t]
+        if tensor.role != "param":
+            continue
+        dims: set[int] = set()
+        chain, todo = {t}, [t]
+        while todo:
+            for n, k in users.get(todo.pop(), ()):
+                node = graph.nodes[n]
+                if node.primitive == "dot_general" and len(node.inputs) == 2:
+                    dims.update(node.params["dimension_numbers"][1][k])
+                elif all(x is None or x in chain for x in node.inputs) and len(node.outputs) == 1:
+                    o = node.outputs[0]
+                    if graph.tensors[o].shape == tensor.shape and o not in chain:
+                        chain.add(o)
+                        todo.append(o)
+        if dims:
+            out[i] = tuple(sorted(dims))
+    return out
 
 
 def extra_bytes(
@@ -106,6 +144,7 @@ def extra_bytes(
     input's accumulator with the plan's own data-parallel axes, less (``counted``) the same
     in the parameter's layout, which the ILP counted."""
     dp = data_parallel_axes([specs[i] for i in row_inputs(graph)], mesh_shape)
+    paired = paired_dims(graph) if isinstance(graph, OpGraph) else {}
     extra = 0.0
     for i in accumulated:
         spec = specs[i]
@@ -113,7 +152,8 @@ def extra_bytes(
             continue
         t = graph.tensors[graph.inputs[i]]  # an op graph's Tensor or a plan's TensorPlan
         nbytes = t.nbytes if hasattr(t, "nbytes") else math.prod(t.shape) * _itemsize(t.dtype)
-        extra += accumulator_bytes(nbytes, spec, mesh_shape, dp)
+        dims = paired.get(i, getattr(t, "paired_dims", ()))
+        extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, dims)
         if counted:
             extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())
     return extra

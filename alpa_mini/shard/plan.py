@@ -74,6 +74,9 @@ class TensorPlan:
     spec: ShardingSpec | None  # None for constants (replicated, never constrained)
     producer: int | None = None
     alternatives: tuple[Alternative, ...] = ()
+    #: A parameter's dimensions a contraction pairs with the rows' values (an expert
+    #: dimension; ``accumulators.paired_dims``), which decide how its gradient accumulates.
+    paired_dims: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -332,6 +335,7 @@ class ShardingPlan:
                     spec(t["spec"]),
                     t.get("producer"),
                     alts(t.get("alternatives")),
+                    tuple(t.get("paired_dims", ())),
                 )
                 for t in d["tensors"]
             ),

@@ -34,7 +34,7 @@ from ..solvers import (
 )
 from ..solvers.sharding.problem import FORBIDDEN_COST, evaluate
 from ..solvers.sharding.tie import repeated_groups, tie_nodes, untie_choice
-from .accumulators import accumulator_bytes, extra_bytes, fit_accumulators
+from .accumulators import accumulator_bytes, extra_bytes, fit_accumulators, paired_dims
 from .cost_model import CostModel
 from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
 from .spec import ShardingSpec
@@ -112,10 +112,11 @@ def build_sharding_problem(
     names += [f"{n.id}:{n.primitive}" for n in graph.nodes]
     names += [f"out{k}" for k in range(n_out)]
     usages = [[s.memory for s in strats] for strats in strategies]
+    paired = paired_dims(graph) if accumulated else {}
     for i in accumulated:  # with no axes known: in the parameter's own layout
-        nbytes, axes = graph.tensors[graph.inputs[i]].nbytes, dp_axes or ()
+        nbytes, axes, dims = graph.tensors[graph.inputs[i]].nbytes, dp_axes or (), paired.get(i)
         usages[i] = [
-            u + accumulator_bytes(nbytes, s.out_specs[0], cost.mesh.shape, axes)
+            u + accumulator_bytes(nbytes, s.out_specs[0], cost.mesh.shape, axes, dims or ())
             for u, s in zip(usages[i], strategies[i], strict=True)
         ]
     problem = ShardingProblem.from_lists(
@@ -644,6 +645,7 @@ def _tensor_plans(graph: OpGraph, inst: ShardingInstance, chosen, alternatives) 
     input_alts: dict[int, tuple[Alternative, ...]] = {}
     for i, t in enumerate(graph.inputs):
         input_alts.setdefault(t, alternatives[i])
+    paired = {graph.inputs[i]: dims for i, dims in paired_dims(graph).items()}
     return tuple(
         TensorPlan(
             t.name,
@@ -653,6 +655,7 @@ def _tensor_plans(graph: OpGraph, inst: ShardingInstance, chosen, alternatives) 
             None if t.role == "const" else specs[t.id],
             producer.get(t.id),
             input_alts.get(t.id, ()),
+            paired.get(t.id, ()),
         )
         for t in graph.tensors
     )

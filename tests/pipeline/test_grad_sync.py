@@ -256,3 +256,61 @@ def test_accumulators_hold_per_device_what_the_planner_counts(layout):
     spec = ShardingSpec(((0,), ()) if layout == "zero3" else ((), ()))
     want = 4 * accumulator_bytes(64 * 64 * 4, spec, (8,), (0,))
     assert held == [want] * 3 and want == 4 * 64 * 64 * 4
+
+
+def test_expert_parallel_weights_accumulate_in_their_own_layout():
+    """DeepSpeed's expert parallelism on 8 devices (batch and experts both split over the
+    one axis): each device computes its own experts' weight gradients, so the runtime keeps
+    them in their own layout (1/8 per device), not as a whole partial per group, and the
+    planner counts the same; the step still trains as serial JAX does."""
+    from alpa_mini.graph import trace_jaxpr
+    from alpa_mini.models import sgd
+    from alpa_mini.models.moe import MoEConfig, init_moe, make_moe_batch, moe_loss
+    from alpa_mini.options.param_splits import ParamSplit, ParamSplits
+    from alpa_mini.shard.accumulators import accumulator_bytes, paired_dims
+    from alpa_mini.shard.spec import ShardingSpec
+
+    cfg = MoEConfig(hidden=16, ffn=32, num_experts=8, seq_len=4)
+    params = init_moe(cfg, jax.random.key(0))
+    batch = make_moe_batch(cfg, jax.random.key(1), 32)
+    experts = params["experts"]
+    splits = ParamSplits(
+        tuple(
+            ParamSplit(jax.tree_util.keystr(path), v.shape, 0 if "experts" in str(path) else None)
+            for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+        )
+    )
+    method = dataclasses.replace(
+        _method(4),
+        default_auto_sharding_option=ShardParallel(layout="zero2", tensor_splits=splits),
+    )
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    ex = train_beside_serial(moe_loss, params, batch, method)
+    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
+
+    def recorded(*a):
+        outs = program(*a)
+        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
+        return outs
+
+    ex.runtime.programs["bwd0"] = recorded
+    ex(params, sgd(0.1).init(params), batch)
+    weights = 4 * (experts["w_in"].size + experts["w_out"].size)
+    others = 4 * sum(x.size for x in jax.tree.leaves(params)) - weights
+    # The biases' broadcast adds still group (a whole partial each); the weights do not.
+    assert held == [others + weights / 8] * 3, held  # 6272 bytes; whole: 34944
+    # The planner's side: the expert dimension is what the contractions pair, and a layout
+    # splitting it over the rows' axis accumulates in its own layout; split elsewhere (a
+    # ZeRO-like split of the hidden dimension), the partial is whole.
+    split_e, split_h = ShardingSpec(((0,), (), ())), ShardingSpec(((), (0,), ()))
+    assert accumulator_bytes(1024.0, split_e, (8,), (0,), (0,)) == 128.0
+    assert accumulator_bytes(1024.0, split_h, (8,), (0,), (0,)) == 1024.0
+    closed = jax.make_jaxpr(jax.value_and_grad(moe_loss))(params, batch)
+    roles = ["param"] * len(jax.tree.leaves(params)) + ["batch"] * len(batch)
+    graph = trace_jaxpr(closed, roles)
+    names = {graph.tensors[t].shape: i for i, t in enumerate(graph.inputs)}
+    found = paired_dims(graph)
+    assert found[names[experts["w_in"].shape]] == (0,)
+    assert found[names[experts["w_out"].shape]] == (0,)
+    assert names[experts["b_in"].shape] not in found

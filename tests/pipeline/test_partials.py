@@ -116,3 +116,39 @@ def test_partials_sum_to_the_gradient(case):
         w = np.asarray(want[k], np.float32)
         atol = tol * max(1.0, float(np.abs(w).max()))
         np.testing.assert_allclose(np.asarray(got[k], np.float32), w, rtol=tol, atol=atol)
+
+
+def _expert_plan(f, params, xshape, local_dims):
+    """``plan_partials`` of ``f(params, x)`` with each parameter's ``local_dims`` (the
+    dimensions its layout splits over the data-parallel axis)."""
+    jaxpr = jax.make_jaxpr(f)(params, jnp.zeros(xshape)).jaxpr
+    flat = jax.tree.leaves(params)
+    pvars = jaxpr.invars[: len(flat)]
+    local = {p: frozenset(d) for p, d in zip(pvars, local_dims, strict=True)}
+    plan = plan_partials(jaxpr.eqns, pvars, jaxpr.outvars, GroupSplit(ROWS, GROUPS, ("x",)), local)
+    return plan, pvars
+
+
+def test_expert_weights_split_over_the_rows_axis_stay_plain():
+    """A mixture of experts pairs each expert's weight with its own tokens (the einsum's
+    batch dimension e). Split over the data-parallel axis along e (expert parallelism), the
+    weight's gradient needs no reduction and is left to the partitioner; split along another
+    dimension (ZeRO-like), or not split, it is grouped as before. The same holds for a
+    scanned stack of expert layers, whose slices lack the stacked axis."""
+    w = _rand(12, (4, 6, 5))  # [e, h, f]
+    f = lambda p, x: jnp.sum(jnp.tanh(jnp.einsum("bech,ehf->becf", x, p["w"])))  # noqa: E731
+    xshape = (ROWS, 4, 3, 6)
+    for dims, grouped in (((0,), False), ((1,), True), ((), True)):
+        plan, (pw,) = _expert_plan(f, {"w": w}, xshape, [dims])
+        assert (pw in plan.grouped, pw in plan.plain) == (grouped, not grouped), dims
+
+    def stacked(p, x):
+        def layer(h, wl):
+            return jnp.tanh(jnp.einsum("bech,ehf->becf", h, wl)), None
+
+        return jnp.sum(jax.lax.scan(layer, x, p["w"])[0])
+
+    ws = _rand(13, (2, 4, 6, 6))  # [layers, e, h, f]
+    for dims, grouped in (((1,), False), ((2,), True)):
+        plan, (pw,) = _expert_plan(stacked, {"w": ws}, (ROWS, 4, 3, 6), [dims])
+        assert (pw in plan.grouped) == grouped, dims

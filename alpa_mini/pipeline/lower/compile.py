@@ -586,7 +586,10 @@ def _stage_grads(
 ) -> _StageGrads:
     params = tuple(v for v in st.diff_in if v in loss_in)
     split = _group_split(st, loss_in, capture, rows) if params else None
-    plan = plan_partials(st.sl.eqns, params, st.sl.outvars, split) if split else None
+    plan = None
+    if split:
+        local = {p: _split_dims(st.in_sharding[p], split) for p in params}
+        plan = plan_partials(st.sl.eqns, params, st.sl.outvars, split, local)
     grouped = plan.grouped if plan is not None else frozenset()
     plain = (set(params) - grouped) | (set(plan.plain) if plan is not None else set())
     accs = tuple(
@@ -597,6 +600,16 @@ def _stage_grads(
         for p, partial in accs
     )
     return _StageGrads(params, accs, shardings, split, plan)
+
+
+def _split_dims(sharding: NamedSharding, split: GroupSplit) -> frozenset[int]:
+    """The dimensions a parameter's layout splits over the data-parallel axes."""
+    out = set()
+    for d, entry in enumerate(sharding.spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if any(n in split.axes for n in names if n is not None):
+            out.add(d)
+    return frozenset(out)
 
 
 def _sync_program(gr: _StageGrads, targets: tuple[NamedSharding, ...]) -> Callable[..., Any]:

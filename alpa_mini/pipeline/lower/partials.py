@@ -18,7 +18,12 @@ the global semantics and makes the partial sums an ordinary array instead:
 - a remat block (``checkpoint``) or a ``scan`` that receives ``p`` itself (a scan as a
   constant or as stacked per-iteration slices) is planned the same way inside its body, and
   re-issued with the body's own companions (``_Nested``);
-- every other use of ``p`` differentiates ``p`` as before (reduced by the partitioner).
+- every other use of ``p`` differentiates ``p`` as before (reduced by the partitioner). So
+  does a contraction that pairs a dimension of ``p`` with the rows' values (a batch dimension
+  of ``dot_general``, as a mixture of experts pairs each expert's weight with its tokens)
+  where ``p``'s layout splits that dimension over the data-parallel axes (expert
+  parallelism): each device already holds the tokens of its own experts, so their gradient
+  needs no reduction, and a partial would have to hold every expert, unsplit, per group.
 
 The total gradient is ``dp + sum(dz, axis=0)``: exact, whichever axis is split, because each
 split equation is row-wise along it; the layout only decides whether the partials need no
@@ -90,10 +95,16 @@ class PartialsPlan:
 
 
 def plan_partials(
-    eqns: Sequence[Any], params: Sequence[Any], outputs: Sequence[Any], split: GroupSplit
+    eqns: Sequence[Any],
+    params: Sequence[Any],
+    outputs: Sequence[Any],
+    split: GroupSplit,
+    local: Mapping[Any, frozenset[int]] | None = None,
 ) -> PartialsPlan:
-    """Decide, from shapes alone, which equations of a stage (reading ``params``, defining
+    """Decide, from shapes (and ``local``: per parameter, the dimensions its layout splits
+    over the data-parallel axes), which equations of a stage (reading ``params``, defining
     ``outputs``) become grouped uses of which parameter."""
+    local = local or {}
     param_set = set(params)
     # var -> (parameter it is computed from alone, the equations that compute it)
     chain: dict[Any, tuple[Any, tuple[Any, ...]]] = {p: (p, ()) for p in params}
@@ -104,14 +115,14 @@ def plan_partials(
         if not origins:
             continue
         if eqn.primitive.name in _NESTING:
-            found = _nested_use(eqn, param_set, chain, split)
+            found = _nested_use(eqn, param_set, chain, split, local)
             if found is not None:
                 uses[i], nested_plain = found
                 plain.update(nested_plain)
                 continue
         if len(origins) == 1 and not eqn.primitive.multiple_results:
             (p,) = origins
-            use = _grouped_use(eqn, p, chain, split)
+            use = _grouped_use(eqn, p, chain, split, local.get(p, frozenset()))
             if use is not None:
                 uses[i] = use
                 continue
@@ -148,7 +159,11 @@ def _body_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]]:
 
 
 def _nested_use(
-    eqn: Any, param_set: set[Any], chain: dict[Any, Any], split: GroupSplit
+    eqn: Any,
+    param_set: set[Any],
+    chain: dict[Any, Any],
+    split: GroupSplit,
+    local: Mapping[Any, frozenset[int]],
 ) -> tuple[_Nested, set[Any]] | None:
     """The nested plan of a remat block or a scan that receives parameters themselves, and
     the outer parameters left with ordinary uses; None when nothing inside is grouped."""
@@ -171,7 +186,13 @@ def _nested_use(
     if not params:
         return None
     inner = [body.invars[k] for k in params]
-    sub = plan_partials(body.eqns, inner, body.outvars, split)
+    # A scan's per-iteration slice of a stacked parameter lacks its leading (layer) axis.
+    shift = {k: int(k in stacked) for k in params}
+    inner_local = {
+        body.invars[k]: frozenset(d - shift[k] for d in local.get(p, ()) if d >= shift[k])
+        for k, p in params.items()
+    }
+    sub = plan_partials(body.eqns, inner, body.outvars, split, inner_local)
     if not sub.grouped:
         return None
     outer_of = {body.invars[k]: p for k, p in params.items()}
@@ -190,9 +211,11 @@ def _dedupe(eqns: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _grouped_use(eqn: Any, p: Any, chain: dict[Any, Any], split: GroupSplit) -> _Use | None:
+def _grouped_use(
+    eqn: Any, p: Any, chain: dict[Any, Any], split: GroupSplit, local: frozenset[int]
+) -> _Use | None:
     """The grouped form of ``eqn`` if it mixes the parameter-derived operand with rows on a
-    free axis, else None."""
+    free axis, else None (also where it pairs a ``local`` dimension with the rows' values)."""
     ins = eqn.invars
     qpos = [k for k, v in enumerate(ins) if not isinstance(v, Literal) and v in chain]
     if len(qpos) != 1 or not is_float(ins[qpos[0]].aval):
@@ -204,6 +227,8 @@ def _grouped_use(eqn: Any, p: Any, chain: dict[Any, Any], split: GroupSplit) -> 
     if name == "broadcast_in_dim" and len(ins) == 1:
         found = _broadcast_axes(eqn, split)
     elif name == "dot_general" and len(ins) == 2:
+        if _pairs_local(eqn, q, p, local):
+            return None
         found = _dot_axes(eqn, q, split)
     elif name == "conv_general_dilated" and q == 1 and len(ins) == 2:
         found = _conv_axes(eqn, split)
@@ -232,6 +257,17 @@ def _broadcast_axes(eqn: Any, split: GroupSplit) -> tuple[tuple[int | None, ...]
         if (ax not in kept or (kept[ax] == 1 and size > 1)) and _splittable(size, split):
             return (None,), ax
     return None
+
+
+def _pairs_local(eqn: Any, q: int, p: Any, local: frozenset[int]) -> bool:
+    """Whether a ``dot_general`` pairs a ``local`` dimension of the parameter with the other
+    operand (a batch dimension: each expert's weight with its own tokens). Read only where
+    the operand keeps the parameter's shape (a cast); otherwise its dimensions are unknown
+    and the use is grouped as any other."""
+    if not local or tuple(eqn.invars[q].aval.shape) != tuple(p.aval.shape):
+        return False
+    _, batch = eqn.params["dimension_numbers"]
+    return bool(local & set(batch[q]))
 
 
 def _dot_axes(eqn: Any, q: int, split: GroupSplit) -> tuple[tuple[int | None, ...], int] | None:
