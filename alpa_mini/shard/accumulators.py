@@ -144,7 +144,6 @@ def extra_bytes(
     input's accumulator with the plan's own data-parallel axes, less (``counted``) the same
     in the parameter's layout, which the ILP counted."""
     dp = data_parallel_axes([specs[i] for i in row_inputs(graph)], mesh_shape)
-    paired = paired_dims(graph) if isinstance(graph, OpGraph) else {}
     extra = 0.0
     for i in accumulated:
         spec = specs[i]
@@ -152,7 +151,7 @@ def extra_bytes(
             continue
         t = graph.tensors[graph.inputs[i]]  # an op graph's Tensor or a plan's TensorPlan
         nbytes = t.nbytes if hasattr(t, "nbytes") else math.prod(t.shape) * _itemsize(t.dtype)
-        dims = paired.get(i, getattr(t, "paired_dims", ()))
+        dims = getattr(t, "paired_dims", ())  # a plan's (an op graph's Tensor has none)
         extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, dims)
         if counted:
             extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())

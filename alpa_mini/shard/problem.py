@@ -408,7 +408,7 @@ def plan_sharding(
     plan, inst = once(input_filters=filters, dp_axes=None)
     specs = [plan.tensors[t].spec for t in plan.inputs]
     mesh = cost.mesh.shape
-    extra = extra_bytes(graph, specs, accumulated, mesh, accumulators_in_ilp) if accumulated else 0
+    extra = extra_bytes(plan, specs, accumulated, mesh, accumulators_in_ilp) if accumulated else 0
     if extra <= 0.0:
         return plan
     plan = dataclasses.replace(plan, peak_memory=plan.peak_memory + extra)

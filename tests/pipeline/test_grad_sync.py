@@ -267,7 +267,7 @@ def test_expert_parallel_weights_accumulate_in_their_own_layout():
     from alpa_mini.models import sgd
     from alpa_mini.models.moe import MoEConfig, init_moe, make_moe_batch, moe_loss
     from alpa_mini.options.param_splits import ParamSplit, ParamSplits
-    from alpa_mini.shard.accumulators import accumulator_bytes, paired_dims
+    from alpa_mini.shard.accumulators import accumulator_bytes, held_accumulators, paired_dims
     from alpa_mini.shard.spec import ShardingSpec
 
     cfg = MoEConfig(hidden=16, ffn=32, num_experts=8, seq_len=4)
@@ -314,3 +314,14 @@ def test_expert_parallel_weights_accumulate_in_their_own_layout():
     assert found[names[experts["w_in"].shape]] == (0,)
     assert found[names[experts["w_out"].shape]] == (0,)
     assert names[experts["b_in"].shape] not in found
+    # A plan read back carries them (and keeps them through JSON): its held accumulators are
+    # the runtime's bytes above.
+    plan = alpa_mini.plan(
+        make_train_step(moe_loss, sgd(0.1)),
+        params,
+        sgd(0.1).init(params),
+        batch,
+        method=ShardParallel(layout="zero2", tensor_splits=splits),
+    )
+    again = type(plan).from_json(plan.to_json())
+    assert held_accumulators(plan) == held_accumulators(again) == others + weights / 8
