@@ -147,23 +147,26 @@ def test_bench_names_its_benchmarks(capsys):
     assert "plan-quality" in capsys.readouterr().err
 
 
+#: One Megatron-table row as ``megatron_compare.row`` returns it (a run before the sync fields).
+MEGATRON_ROW = {
+    "model": "megatron-x",
+    "gpus": 32,
+    "published": {"dp": 32, "tp": 1, "pp": 1},
+    "theirs": 10.0,
+    "their_B": 8,
+    "their_reasons": [],
+    "ours": 8.0,
+    "our_choice": {"dp": 4, "tp": 8, "pp": 1, "B": 16},
+    "our_reasons": [],
+    "planning_s": 3.0,
+}
+
+
 def test_megatron_rows_kept_ours_and_the_memory_model_they_were_priced_with():
     from benchmarks.megatron_compare import keep_ours
     from benchmarks.megatron_compare import to_markdown as megatron_markdown
 
-    earlier = {
-        "model": "megatron-x",
-        "gpus": 32,
-        "published": {"dp": 32, "tp": 1, "pp": 1},
-        "theirs": 10.0,
-        "their_B": 8,
-        "their_reasons": [],
-        "ours": 8.0,
-        "our_choice": {"dp": 4, "tp": 8, "pp": 1, "B": 16},
-        "our_reasons": [],
-        "planning_s": 3.0,
-        "date": "2026-11-26",
-    }
+    earlier = dict(MEGATRON_ROW, date="2026-11-26")
     # Megatron's sides re-priced (slower now), ours carried over with its date.
     theirs = {k: v for k, v in earlier.items() if k not in ("ours", "our_choice", "date")}
     measured = dict(theirs, theirs=12.0, memory_model="accumulators")
@@ -187,18 +190,7 @@ def test_megatron_rows_report_both_layouts_and_the_ratio():
     # 512 sequences over dp 32: 1, 2, 4 or 8 per rank and micro-batch
     assert _micro_batch_counts(512, 32) == [16, 8, 4, 2]
     assert _micro_batch_counts(24, 16) == []  # 24 does not split over 16 ranks
-    result = {
-        "model": "megatron-x",
-        "gpus": 32,
-        "published": {"dp": 32, "tp": 1, "pp": 1},
-        "theirs": 10.0,
-        "their_B": 8,
-        "their_reasons": [],
-        "ours": 8.0,
-        "our_choice": {"dp": 4, "tp": 8, "pp": 1, "B": 16},
-        "our_reasons": [],
-        "planning_s": 3.0,
-    }
+    result = dict(MEGATRON_ROW)
     text = megatron_markdown([result], "alpa-mini bench megatron", 1.0)
     # A row measured before gradients were synchronised once per step says so.
     row = (

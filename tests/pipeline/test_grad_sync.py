@@ -226,6 +226,21 @@ def test_fused_programs_move_the_same_gradient_bytes():
             assert len(runs) < len(plain_runs)
 
 
+def _held_accumulator_bytes(ex, args) -> list[int]:
+    """One step of ``ex``: per run of stage 0's backward, the bytes on device 0 of the
+    accumulators it returns (its last outputs)."""
+    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
+
+    def recorded(*a):
+        outs = program(*a)
+        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
+        return outs
+
+    ex.runtime.programs["bwd0"] = recorded
+    ex(*args)
+    return held
+
+
 @pytest.mark.parametrize("layout", ["zero3", "data"])
 def test_accumulators_hold_per_device_what_the_planner_counts(layout):
     """Each of the later backwards returns the stage's accumulators. ZeRO-3 shards the
@@ -242,15 +257,7 @@ def test_accumulators_hold_per_device_what_the_planner_counts(layout):
     step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
     args = (params, opt.init(params), batch)
     ex = alpa_mini.parallelize(step, method=_method(4, layout=layout)).get_executable(*args)
-    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
-
-    def recorded(*a):
-        outs = program(*a)
-        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
-        return outs
-
-    ex.runtime.programs["bwd0"] = recorded
-    ex(*args)
+    held = _held_accumulator_bytes(ex, args)
     # The parameters' layout: split over the one mesh axis (ZeRO-3) or replicated, the rows
     # split over it either way.
     spec = ShardingSpec(((0,), ()) if layout == "zero3" else ((), ()))
@@ -287,15 +294,7 @@ def test_expert_parallel_weights_accumulate_in_their_own_layout():
     alpa_mini.shutdown()
     alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
     ex = train_beside_serial(moe_loss, params, batch, method)
-    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
-
-    def recorded(*a):
-        outs = program(*a)
-        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
-        return outs
-
-    ex.runtime.programs["bwd0"] = recorded
-    ex(params, sgd(0.1).init(params), batch)
+    held = _held_accumulator_bytes(ex, (params, sgd(0.1).init(params), batch))
     weights = 4 * (experts["w_in"].size + experts["w_out"].size)
     others = 4 * sum(x.size for x in jax.tree.leaves(params)) - weights
     # The biases' broadcast adds still group (a whole partial each); the weights do not.
