@@ -134,7 +134,7 @@ def paired_dims(graph: OpGraph) -> dict[int, tuple[int, ...]]:
 
 
 def extra_bytes(
-    graph: OpGraph | ShardingPlan,
+    plan: ShardingPlan,
     specs: Sequence[ShardingSpec | None],
     accumulated: Sequence[int],
     mesh_shape: Sequence[int],
@@ -143,16 +143,15 @@ def extra_bytes(
     """What a plan whose inputs take ``specs`` holds beyond its ILP's count: each accumulated
     input's accumulator with the plan's own data-parallel axes, less (``counted``) the same
     in the parameter's layout, which the ILP counted."""
-    dp = data_parallel_axes([specs[i] for i in row_inputs(graph)], mesh_shape)
+    dp = data_parallel_axes([specs[i] for i in row_inputs(plan)], mesh_shape)
     extra = 0.0
     for i in accumulated:
         spec = specs[i]
         if spec is None:
             continue
-        t = graph.tensors[graph.inputs[i]]  # an op graph's Tensor or a plan's TensorPlan
-        nbytes = t.nbytes if hasattr(t, "nbytes") else math.prod(t.shape) * _itemsize(t.dtype)
-        dims = getattr(t, "paired_dims", ())  # a plan's (an op graph's Tensor has none)
-        extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, dims)
+        t = plan.tensors[plan.inputs[i]]
+        nbytes = math.prod(t.shape) * _itemsize(t.dtype)
+        extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
         if counted:
             extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())
     return extra
