@@ -45,16 +45,32 @@ TARGETS = {"gpt-1.3b": 5.0, "gpt-39b": 60.0, "gpt3-175b": 120.0, "megatron-1t": 
 #: The most seconds one row may plan before it is recorded as timed out.
 ROW_LIMIT = 3600
 # The child's own peak (VmHWM): ru_maxrss would also count the parent's RSS at fork, which
-# Linux carries over exec.
-# Its solver processes (``shard.solve_pool``) are its children: RUSAGE_CHILDREN's ru_maxrss is
-# the largest of them once they are stopped.
+# Linux carries over exec. For the same reason RUSAGE_CHILDREN cannot measure its solver
+# processes (``shard.solve_pool``; a solver started when the planner held 2 GiB would read
+# 2 GiB): each reads its own VmHWM, taken just before the pool stops it.
 CHILD = """
-import re, resource, sys
+import re, sys
+from alpa_mini.shard import solve_pool
+
+def hwm_kib(pid):
+    try:
+        found = re.search(r"VmHWM:\\s+(\\d+)", open(f"/proc/{pid}/status").read())
+    except OSError:
+        return -1
+    return int(found.group(1)) if found else -1
+
+solvers = []
+stop = solve_pool._Child.stop
+
+def stop_and_measure(child, *args, **kwargs):
+    solvers.append(hwm_kib(child.proc.pid))
+    stop(child, *args, **kwargs)
+
+solve_pool._Child.stop = stop_and_measure
 from alpa_mini.cli.main import main
 code = main(sys.argv[1:])
-hwm = re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())
-print("PEAK_RSS_KIB", hwm.group(1) if hwm else -1, flush=True)
-print("SOLVER_RSS_KIB", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True)
+print("PEAK_RSS_KIB", hwm_kib("self"), flush=True)
+print("SOLVER_RSS_KIB", max(solvers, default=-1), sum(k for k in solvers if k > 0), flush=True)
 sys.exit(code)
 """
 
@@ -85,7 +101,11 @@ def row(model: str) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         rss = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if "PEAK_RSS_KIB" in ln]
         rss = [k for k in rss if k > 0]
-        solver = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if "SOLVER_RSS_KIB" in ln]
+        solver = next(
+            ([int(k) for k in ln.split()[1:3]] for ln in proc.stdout.splitlines()
+             if ln.startswith("SOLVER_RSS_KIB")),
+            None,
+        )  # fmt: skip
         result: dict[str, Any] = {
             "model": model,
             "gpus": spec.gpus,
@@ -93,6 +113,8 @@ def row(model: str) -> dict[str, Any]:
             "peak_rss_gib": rss[0] / 2**20 if rss else None,
             "rss": "VmHWM",
             "solver_rss_gib": solver[0] / 2**20 if solver and solver[0] > 0 else None,
+            "solvers_rss_gib": solver[1] / 2**20 if solver and solver[0] > 0 else None,
+            "solver_rss": "own VmHWM",
         }
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
@@ -186,8 +208,11 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         "predicted s/iter; >x: its planning stopped once a lower bound x exceeded a faster "
         "count's (from 2026-11-27, evening). Planning s: the planner's own total; peak "
         "RSS: the planning process's own peak (≤: an upper bound, read as ru_maxrss, which on "
-        "Linux also counts the benchmark runner's RSS at fork), and in brackets the largest "
-        "peak of its ILP solver processes (one per core, from 2026-11-27). *Tuned s*: the "
+        "Linux also counts the benchmark runner's RSS at fork), and in brackets the peaks of "
+        "its ILP solver processes (one per core) added up, each its own VmHWM read just before "
+        "the pool stops it (from 2026-11-28, afternoon; rows before read RUSAGE_CHILDREN, "
+        "which counted the planner's RSS when each solver was started, and are not shown). "
+        "*Tuned s*: the "
         "fastest plan of the plan-quality or Megatron table's own runs (hand-picked settings: "
         "refine, "
         "20 s ILPs); *ratio*: defaults / tuned "
@@ -208,8 +233,8 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         tried = ", ".join(f"{b}: {said[b]}" for b in sorted(said))
         bound = "" if r.get("rss") == "VmHWM" else "≤"
         rss = "–" if r["peak_rss_gib"] is None else f"{bound}{r['peak_rss_gib']:.2f}"
-        if r.get("solver_rss_gib"):
-            rss += f" (+{r['solver_rss_gib']:.2f} each solver)"
+        if r.get("solver_rss") == "own VmHWM" and r.get("solvers_rss_gib"):
+            rss += f" (+{r['solvers_rss_gib']:.2f} solvers)"
         best = tuned.get(r["model"])
         ratio = "–" if best is None else f"{r['predicted_s'] / best:.3f}"
         act = "recomp." if r.get("recomputed") else "stored"

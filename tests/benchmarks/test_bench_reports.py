@@ -300,3 +300,63 @@ def test_default_plans_rows_say_whether_accumulators_were_counted():
     header = next(line for line in text.splitlines() if line.startswith("| model"))
     rule = next(line for line in text.splitlines() if line.startswith("|---"))
     assert header.count("|") == rule.count("|")  # the new column in both
+
+
+def test_default_plans_show_solver_peaks_only_where_each_solver_read_its_own():
+    """RUSAGE_CHILDREN's peak of a solver process is the planner's RSS when it was started
+    (Linux carries a process's peak over exec), so only rows whose solvers read their own
+    VmHWM show a solver figure: the sum of the solvers' peaks."""
+    from benchmarks.default_plans import to_markdown as defaults_markdown
+
+    base = {
+        "model": "gpt-x",
+        "gpus": 8,
+        "micro_batches": 64,
+        "stages": 1,
+        "predicted_s": 10.0,
+        "planning_s": 4.0,
+        "peak_rss_gib": 0.5,
+        "rss": "VmHWM",
+        "tried": [[64, 10.0]],
+        "sync": "ilp",
+    }
+    forked = dict(base, solver_rss_gib=0.5)  # read from RUSAGE_CHILDREN: not shown
+    own = dict(base, solver_rss_gib=0.05, solvers_rss_gib=0.09, solver_rss="own VmHWM")
+    rows = [line for line in defaults_markdown([forked, own], "x").splitlines() if "gpt-x" in line]
+    assert "| 4.0 | 0.50 | 64: 10.00 |" in rows[0]
+    assert "| 4.0 | 0.50 (+0.09 solvers) | 64: 10.00 |" in rows[1]
+
+
+def test_the_defaults_benchmark_child_reads_each_solvers_own_peak(tmp_path):
+    """The benchmark's child script, run on a stand-in planner that starts a solver pool of
+    two while holding 200 MiB: each solver's peak is its own (well under 200 MiB), where
+    RUSAGE_CHILDREN would have read the planner's."""
+    import subprocess
+    import sys
+
+    from benchmarks.default_plans import CHILD
+
+    stand_in = (
+        "import importlib, sys\n"
+        "cli = importlib.import_module('alpa_mini.cli.main')\n"
+        "def main(argv):\n"
+        "    from alpa_mini.shard.solve_pool import SolvePool\n"
+        "    held = bytearray(200 * 2**20)\n"
+        "    held[::4096] = b'x' * len(held[::4096])\n"
+        "    pool = SolvePool(2)\n"
+        "    for child in pool._children:  # each imported the solvers and is ready\n"
+        "        assert child._receive(120.0, 'start') == 'ready'\n"
+        "    pool.close()\n"
+        "    return 0\n"
+        "cli.main = main\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", stand_in + CHILD],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("SOLVER_RSS_KIB"))
+    largest, together = (int(k) for k in line.split()[1:3])
+    planner = int(next(ln for ln in out.stdout.splitlines() if "PEAK_RSS_KIB" in ln).split()[1])
+    assert planner > 200 * 1024
+    assert 0 < largest < 150 * 1024 and largest <= together < 2 * largest + 1
