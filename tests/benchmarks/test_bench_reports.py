@@ -278,21 +278,25 @@ def test_benchmark_children_report_progress_results_and_failures(capsys):
         run_child("tests.helpers.bench_child_probe", ["killed"], timeout=120)
 
 
+#: A defaults-table row as `benchmarks.default_plans.row` writes it (the report tests vary it).
+DEFAULTS_ROW = {
+    "model": "gpt-x",
+    "gpus": 8,
+    "micro_batches": 64,
+    "stages": 1,
+    "predicted_s": 10.0,
+    "planning_s": 4.0,
+    "peak_rss_gib": 0.5,
+    "rss": "VmHWM",
+    "tried": [[64, 10.0]],
+    "sync": "ilp",
+}
+
+
 def test_default_plans_rows_say_whether_accumulators_were_counted():
     from benchmarks.default_plans import to_markdown as defaults_markdown
 
-    base = {
-        "model": "gpt-x",
-        "gpus": 8,
-        "micro_batches": 64,
-        "stages": 1,
-        "predicted_s": 10.0,
-        "planning_s": 4.0,
-        "peak_rss_gib": 0.5,
-        "rss": "VmHWM",
-        "tried": [[32, None], [64, 10.0]],
-        "sync": "ilp",
-    }
+    base = dict(DEFAULTS_ROW, tried=[[32, None], [64, 10.0]])
     now = dict(base, memory_model="accumulators")
     text = defaults_markdown([base, now], "2026-11-28")
     assert "| 32: no fit, 64: 10.00 | ilp | no | alone |" in text
@@ -308,18 +312,7 @@ def test_default_plans_show_solver_peaks_only_where_each_solver_read_its_own():
     VmHWM show a solver figure: the sum of the solvers' peaks."""
     from benchmarks.default_plans import to_markdown as defaults_markdown
 
-    base = {
-        "model": "gpt-x",
-        "gpus": 8,
-        "micro_batches": 64,
-        "stages": 1,
-        "predicted_s": 10.0,
-        "planning_s": 4.0,
-        "peak_rss_gib": 0.5,
-        "rss": "VmHWM",
-        "tried": [[64, 10.0]],
-        "sync": "ilp",
-    }
+    base = DEFAULTS_ROW
     forked = dict(base, solver_rss_gib=0.5)  # read from RUSAGE_CHILDREN: not shown
     own = dict(base, solver_rss_gib=0.05, solvers_rss_gib=0.09, solver_rss="own VmHWM")
     rows = [line for line in defaults_markdown([forked, own], "x").splitlines() if "gpt-x" in line]
