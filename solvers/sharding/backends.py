@@ -14,6 +14,7 @@ messages, are shown only when the ``alpa_mini.solvers`` logger is enabled for DE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -260,7 +261,6 @@ def _run_highs(
     lp_first: bool,
     defer_fractional: bool = False,
 ) -> MipResult:
-    import highspy
 
     t0 = time.perf_counter()
     if lp_first and model.integer.any():
@@ -275,6 +275,53 @@ def _run_highs(
             return MipResult("fractional", None, math.inf, root, seconds, "highs", detail)
         if time_limit is not None:
             time_limit = max(time_limit - (time.perf_counter() - t0), 1e-3)
+    result = _highs_mip(model, time_limit, mip_rel_gap, warm_start, threads)
+    if warm_start is not None and not _vector_matches_objective(model, result):
+        # HiGHS can hand back the user's start unchanged beside the objective of the point
+        # it actually found (seen in 1.16 when presolve empties the model: the reported
+        # objective is right, the vector is the stale start). Solve again without the
+        # start rather than return a vector that is not the optimum it claims.
+        if time_limit is not None:
+            time_limit = max(time_limit - (time.perf_counter() - t0), 1e-3)
+        result = _highs_mip(model, time_limit, mip_rel_gap, None, threads)
+    if not _vector_matches_objective(model, result):
+        result = _demoted(model, result)
+    return dataclasses.replace(result, seconds=time.perf_counter() - t0)
+
+
+#: Relative slack between c·x and the objective HiGHS reports for x (round-off only).
+OBJECTIVE_MATCH_RTOL = 1e-6
+
+
+def _vector_matches_objective(model: MipModel, result: MipResult) -> bool:
+    """Whether the returned vector's own objective is the one the solver reported."""
+    if result.x is None:
+        return True
+    own = float(model.c @ result.x)
+    return abs(own - result.objective) <= OBJECTIVE_MATCH_RTOL * max(1.0, abs(result.objective))
+
+
+def _demoted(model: MipModel, result: MipResult) -> MipResult:
+    """A result whose vector disagrees with its objective: keep the vector, priced by itself,
+    and claim no optimality for it (the bound stays the solver's)."""
+    assert result.x is not None
+    objective = float(model.c @ result.x)
+    claimed = result.objective
+    detail = f"{result.detail}; the vector's objective {objective:.9g} != reported {claimed:.9g}"
+    return dataclasses.replace(result, status="feasible", objective=objective, detail=detail)
+
+
+def _highs_mip(
+    model: MipModel,
+    time_limit: float | None,
+    mip_rel_gap: float,
+    warm_start: np.ndarray | None,
+    threads: int,
+) -> MipResult:
+    """One branch-and-bound run of HiGHS on the whole MIP, optionally from a start."""
+    import highspy
+
+    t0 = time.perf_counter()
     h = _highs(threads, time_limit)
     h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
     # Costs are scaled to ~1e6; an absolute gap far below one unit of the smallest real

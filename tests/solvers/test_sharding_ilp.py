@@ -121,6 +121,50 @@ def test_simplification_never_changes_the_optimum(problem: ShardingProblem) -> N
         assert simplified == pytest.approx(plain, rel=1e-9, abs=1e-9)
 
 
+def _stale_start_problem() -> ShardingProblem:
+    """Hypothesis's example where HiGHS, started from the heuristic's cost-1 assignment,
+    reported "optimal" at 0 yet returned the start's vector (presolve emptied the model)."""
+    return ShardingProblem(
+        num_strategies=np.array([1, 3, 3, 3, 2]),
+        node_costs=np.zeros(12),
+        node_usages=np.array([0, 0, 0, 1, 0, 1, 0, 0, 3, 0, 0, 0], dtype=float),
+        intervals=np.array([[0, 0], [0, 1], [0, 1], [0, 1], [0, 0]]),
+        edges=np.array([[1, 3], [2, 3], [0, 4]]),
+        # Edge matrices, row-major: 3x3 (nodes 1, 3), 3x3 (2, 3), 1x2 (0, 4).
+        edge_costs=np.concatenate(
+            [
+                [0, FORBID, FORBID, 0, 0, FORBID, FORBID, 0, 0],
+                [FORBID, FORBID, FORBID, FORBID, FORBID, 0, 1, 0, 1],
+                [FORBID, 0],
+            ]
+        ),
+        usage_limit=3,
+        aliases=np.zeros((0, 2), dtype=np.int64),
+    )
+
+
+def test_a_stale_warm_start_never_comes_back_as_the_optimum() -> None:
+    problem = _stale_start_problem()
+    assert _optimum(problem) == 0.0
+    sol = solve_sharding(problem)
+    assert sol.status == "optimal" and sol.objective == 0.0
+    assert evaluate(problem, sol.choice).cost == 0.0
+
+
+def test_highs_returns_the_vector_of_the_objective_it_reports() -> None:
+    """Given the cost-1 start, the MIP result's vector must price at its own objective (0)."""
+    from alpa_mini.solvers.sharding.backends import run_mip
+
+    core = simplify(_stale_start_problem()).core
+    model = build_mip(core)
+    start = model.columns_from(core, np.array([0, 1, 0]))
+    assert model.c @ start == pytest.approx(1.0 / model.cost_scale)
+    result = run_mip(model, "highs", time_limit=None, warm_start=start)
+    assert result.status == "optimal"
+    assert model.c @ result.x == pytest.approx(result.objective, abs=1e-12)
+    assert result.objective == pytest.approx(0.0, abs=1e-12)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_nodes=5))
 def test_reduction_maps_back_and_never_grows(problem: ShardingProblem) -> None:
@@ -420,3 +464,19 @@ def test_unique_rows_equals_numpy_unique_on_edge_matrices():
         got = _unique_rows(mat)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
         assert np.array_equal(got[2], want[2].reshape(-1))
+
+
+def test_a_vector_that_disagrees_with_its_objective_is_demoted() -> None:
+    """If a cold re-solve still returned a mismatched vector, it is priced by itself and no
+    longer called optimal."""
+    from alpa_mini.solvers.sharding.backends import MipResult, _demoted, _vector_matches_objective
+
+    core = simplify(_stale_start_problem()).core
+    model = build_mip(core)
+    x = model.columns_from(core, np.array([0, 1, 0]))
+    claimed = MipResult("optimal", x, 0.0, 0.0, 0.1, "highs", "Optimal")
+    assert not _vector_matches_objective(model, claimed)
+    demoted = _demoted(model, claimed)
+    assert demoted.status == "feasible"
+    assert demoted.objective == pytest.approx(model.c @ x) and demoted.bound == 0.0
+    assert _vector_matches_objective(model, demoted)
