@@ -261,7 +261,6 @@ def _run_highs(
     lp_first: bool,
     defer_fractional: bool = False,
 ) -> MipResult:
-
     t0 = time.perf_counter()
     if lp_first and model.integer.any():
         # At most half the time: a slow relaxation must leave the MIP room for a solution.
@@ -273,20 +272,23 @@ def _run_highs(
         if defer_fractional and math.isfinite(root):
             detail = "LP relaxation fractional; branch-and-bound deferred"
             return MipResult("fractional", None, math.inf, root, seconds, "highs", detail)
-        if time_limit is not None:
-            time_limit = max(time_limit - (time.perf_counter() - t0), 1e-3)
+        time_limit = _time_left(time_limit, t0)
     result = _highs_mip(model, time_limit, mip_rel_gap, warm_start, threads)
     if warm_start is not None and not _vector_matches_objective(model, result):
         # HiGHS can hand back the user's start unchanged beside the objective of the point
         # it actually found (seen in 1.16 when presolve empties the model: the reported
         # objective is right, the vector is the stale start). Solve again without the
         # start rather than return a vector that is not the optimum it claims.
-        if time_limit is not None:
-            time_limit = max(time_limit - (time.perf_counter() - t0), 1e-3)
+        time_limit = _time_left(time_limit, t0)
         result = _highs_mip(model, time_limit, mip_rel_gap, None, threads)
     if not _vector_matches_objective(model, result):
         result = _demoted(model, result)
     return dataclasses.replace(result, seconds=time.perf_counter() - t0)
+
+
+def _time_left(time_limit: float | None, t0: float) -> float | None:
+    """What is left of ``time_limit`` since ``t0`` (at least a millisecond; None: no limit)."""
+    return None if time_limit is None else max(time_limit - (time.perf_counter() - t0), 1e-3)
 
 
 #: Relative slack between c·x and the objective HiGHS reports for x (round-off only).
