@@ -28,7 +28,9 @@ class PlanningStats:
     predicted iteration seconds (None: nothing fit), in the order planned;
     ``micro_batches_dominated``: the counts whose planning stopped once a lower bound on their
     seconds (given) exceeded a faster count's. ``total_seconds`` then covers the whole
-    search, the other fields the chosen count's planning."""
+    search, the other fields the chosen count's planning. ``refine_seconds``: the default
+    whole-stage refinement of the chosen stages (``pipeline.refine``), of which
+    ``stages_refined`` took their whole-stage plan."""
 
     trace_seconds: float = 0.0
     graph_seconds: float = 0.0
@@ -43,6 +45,8 @@ class PlanningStats:
     cache_hits: int = 0
     micro_batches_tried: tuple[tuple[int, float | None], ...] = ()
     micro_batches_dominated: tuple[tuple[int, float], ...] = ()
+    refine_seconds: float = 0.0
+    stages_refined: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -36,6 +37,7 @@ from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, gr
 from .micro_batch_search import micro_batch_candidates, search_micro_batches
 from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
+from .refine import refine_stages
 from .schedules import make_schedule
 from .stacked_rows import join_rows, take_rows, union_sharding
 from .stage_cost import shared_cost_models
@@ -365,14 +367,22 @@ def _searched(
     failed: MemoryBudgetError | None = None
     with shared_cost_models():
         skip = LEAST_MEMORY.set(False)  # an infeasible count's least memory is not needed...
+        searching = _SEARCHING.set(True)
         try:
             prepared, _, tried, dominated = search_micro_batches(candidates, plan_at)
         except MemoryBudgetError as err:
             failed = err
         finally:
+            _SEARCHING.reset(searching)
             LEAST_MEMORY.reset(skip)
         if failed is not None:  # ...unless no count fits
             raise _least_memory_error(failed, lambda: plan_at(candidates[-1])) from None
+        at = dataclasses.replace(method, num_micro_batches=prepared.plan.num_micro_batches)
+        refined = refine_stages(
+            prepared.plan, prepared.forward, prepared.capture, cluster, at, _sizes(avals, roles),
+            progress,
+        )  # fmt: skip
+    prepared = dataclasses.replace(prepared, plan=refined)
     stats = dataclasses.replace(
         prepared.plan.planning or PlanningStats(),
         total_seconds=time.perf_counter() - t0,
@@ -380,6 +390,13 @@ def _searched(
         micro_batches_dominated=tuple(dominated),
     )
     return dataclasses.replace(prepared, plan=dataclasses.replace(prepared.plan, planning=stats))
+
+
+#: Set while the micro-batch search plans its counts: they are ranked by their stage DP's
+#: objective, and only the chosen count is refined (``refine.refine_stages``).
+_SEARCHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "alpa_mini_searching_micro_batches", default=False
+)
 
 
 def _ranked_time(plan: PipeshardPlan, method: PipeshardParallel) -> float:
@@ -573,8 +590,7 @@ def _traced_parts(traced: TracedStep) -> tuple:
 
 def _plan(forward, capture, avals, roles, method, cluster, progress) -> PipeshardPlan:
     """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
-    param_bytes = _param_bytes(avals, roles)
-    state_bytes = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    state_bytes, param_bytes = _sizes(avals, roles)
     plan = plan_pipeline(
         forward,
         capture,
@@ -585,4 +601,12 @@ def _plan(forward, capture, avals, roles, method, cluster, progress) -> Pipeshar
         progress=progress,
     )
     release_free_memory()  # the cost tables and ILPs are garbage now
-    return plan
+    if _SEARCHING.get():  # the search refines the count it chooses, once
+        return plan
+    return refine_stages(plan, forward, capture, cluster, method, _sizes(avals, roles), progress)
+
+
+def _sizes(avals: Sequence[Any], roles: Sequence[str]) -> tuple[float, float]:
+    """The step's optimiser-state and parameter bytes."""
+    state = sum(_nbytes(a) for a, r in zip(avals, roles, strict=True) if r == "state")
+    return state, _param_bytes(avals, roles)

@@ -37,11 +37,10 @@ from ..shard.solve_pool import active_pool, session_pool, usable_cpus
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
 from ..solvers import FractionalRelaxation, solve_sharding
-from .layers import (
-    layer_hash,
-)
+from .layers import layer_hash
 from .stage_configs import StageConfig
 from .stage_slice import slice_stage
+from .stage_trace import layer_calls, without_dead_code
 
 __all__ = ["PlanningCounters", "StageCost"]
 
@@ -101,6 +100,10 @@ class PlanningCounters:
 #: (gpt-1.3b's layers on 4 GPUs: 18 ILPs, 6000 operators, 3.4 -> 2.5 s a count).
 POOL_MIN_NODES = 2000
 
+#: Seconds a whole-stage ILP of the default refinement may take (``refine.refine_stages``):
+#: past them its best plan so far is used if it beats the composed one.
+REFINE_TIME_LIMIT = 10.0
+
 
 #: The cost models of the stage models made inside ``shared_cost_models``, by mesh.
 _SHARED_COST_MODELS: contextvars.ContextVar[dict[Any, CostModel] | None] = contextvars.ContextVar(
@@ -139,6 +142,7 @@ class _StageModel:
         self.cache: dict[Any, StageCost | None] = {}
         self._slices: dict[tuple[int, int], Any] = {}
         self._graphs: dict[Any, tuple[Any, float, float]] = {}
+        self._calls: dict[str, Callable[..., Any]] = {}  # ``_layer_calls``, by layer hash
         self._cost_models: dict[Any, CostModel] = {}
         self._floors: dict[Any, tuple[float, float, float]] = {}
         self._shared = _SHARED_COST_MODELS.get()  # read here: prefetch threads do not see it
@@ -157,6 +161,9 @@ class _StageModel:
         # cached as the relaxation's bound (``StageCost.bound``) until ``settle`` solves it.
         # The stage DP sets it: a DP over bounds that picks only exact cells is optimal.
         self.defer_fractional = False
+        # While set (``refine.refine_stages``), whole-stage ILPs tie repeated layers, stop at
+        # ``REFINE_TIME_LIMIT`` and have no restricted fallback: a composed plan stands by.
+        self.refining = False
 
     def _io(self, start: int, end: int) -> tuple[Any, ...]:
         hit = self._slices.get((start, end))
@@ -305,12 +312,17 @@ class _StageModel:
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
         consts = {v: c for v, c in self.consts.items() if v in set(sl.invars)}
 
+        layers = self._layer_calls(sl)
+
         def f_of(nd: Sequence[Any]) -> Callable[..., Any]:
             def f(*dvals: Any) -> tuple[list[Any], list[Any]]:
                 env: dict[Any, Any] = dict(consts)
                 env.update(zip(diff_in, dvals, strict=True))
                 env.update(zip(nondiff_in, nd, strict=True))
-                eval_eqns(sl.eqns, env)
+                if layers is None:
+                    eval_eqns(sl.eqns, env)
+                for call, ls in layers or ():
+                    env.update(zip(ls.outvars, call(*[env[v] for v in ls.invars]), strict=True))
                 return [env[v] for v in diff_out], [env[v] for v in nondiff_out]
 
             return f
@@ -336,7 +348,7 @@ class _StageModel:
             jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
             for v in (*diff_in, *nondiff_in, *diff_out)
         ]
-        closed = jax.make_jaxpr(train)(*avals)
+        closed = without_dead_code(jax.make_jaxpr(train)(*avals))
         roles = [self.role(v) for v in (*diff_in, *nondiff_in)]
         roles += ["batch"] * len(diff_out)
         names = [f"in{k}" for k in range(len(roles))]
@@ -353,6 +365,10 @@ class _StageModel:
         with self._lock:
             self.stats.graph_seconds += time.perf_counter() - t0
         return out
+
+    def _layer_calls(self, sl: Any) -> list[tuple[Callable[..., Any], Any]] | None:
+        """``stage_trace.layer_calls`` of a slice over the composed layers."""
+        return layer_calls(sl, self.composed_layers, self.slice, self._calls, self._lock)
 
     def _solve(
         self,
@@ -375,7 +391,7 @@ class _StageModel:
         unproven = plan == "time" or (
             isinstance(plan, ShardingPlan) and plan.solver.get("status") != "optimal"
         )
-        if job.filters is None and unproven:
+        if job.filters is None and unproven and not self.refining:
             free = plan
             plan = self._restricted(job, plan)
             with self._lock:
@@ -480,7 +496,10 @@ class _StageModel:
                 aliases=job.aliases,
                 memory_budget=job.memory,
                 backend=job.opt.backend,
-                time_limit=job.opt.time_limit,
+                time_limit=min(job.opt.time_limit, REFINE_TIME_LIMIT)
+                if self.refining
+                else job.opt.time_limit,
+                tie_repeats=self.refining,
                 solve=solve_sharding if pool is None else pool.solve,
                 defer_fractional=defer,
                 # A deferred layer's bound leaves their load out, which a composed stage

@@ -306,8 +306,8 @@ def _align_chosen(model, solution, tables, starts, ends, configs) -> dict:
     todo: dict[tuple[int, int], tuple[tuple[int, int], list[tuple[int, int]]]] = {}
     for st in solution.stages:
         si, ci, i, j = st.submesh_index, st.config_index, st.layer_start, st.layer_end
-        if not needs_alignment(tables[(si, ci)], i, j):
-            continue
+        if (si, ci) not in tables or not needs_alignment(tables[(si, ci)], i, j):
+            continue  # (no tables: whole profiling, every stage one ILP)
         limit = _composed_row(tables[(si, ci)], i)[j - i].latency * (1.0 + ALIGN_ALONGSIDE)
         for cj in range(len(configs[si])):
             table = tables.get((si, cj))
