@@ -11,15 +11,15 @@ iteration). It runs once, on the micro-batch count the search chose, and keeps t
 plan only where it is faster and fits with the micro-batches the stage holds in flight; so
 it never makes a plan slower or larger than the budget.
 
-It refines one-stage plans of mostly repeated layers only. There every layer, both readers
-of a tied parameter among them, shares the stage, and the tied ILP is about one layer's
-size. Measured on 2026-11-28: gpt-39b's five stages took 14.7 s to refine and none got
-faster; wresnet-1b's one stage of distinct layers (nothing to tie) 18.7 s, no faster.
+It refines one-stage plans only, and only where tying alike nodes halves the ILP (no plan
+otherwise: ``plan_sharding(tie_repeats="only")``). In a one-stage plan every layer, both
+readers of a tied parameter among them, shares the stage. Measured on 2026-11-28: gpt-39b's
+five stages took 14.7 s to refine and none got faster; wresnet-1b's one stage, solved
+untied, 18.7 s, no faster.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -30,7 +30,6 @@ from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
 from ..solvers.stages import submesh_shapes
-from .layers import layer_hash
 from .plan import PipeshardPlan, StagePlan
 from .stage_configs import stage_configs
 from .stage_cost import StageCost, _budget, _StageModel, _with_launches
@@ -55,8 +54,8 @@ def refine_stages(
     progress: Callable[[str], None] | None = None,
 ) -> PipeshardPlan:
     """``plan`` with its stage replaced by its whole-stage ILP plan (same layers, submesh and
-    config) where that is faster and still fits, for a one-stage plan of two or more mostly
-    repeated layers; ``sizes``: the step's optimiser-state and parameter bytes."""
+    config, repeats tied) where that is faster and still fits, for a one-stage plan of two or
+    more layers; ``sizes``: the step's optimiser-state and parameter bytes."""
     solution = plan.stage_solution
     if not refines(method) or solution is None or len(plan.stages) != 1:
         return plan
@@ -65,8 +64,6 @@ def refine_stages(
     model.refining = True
     ends = (*plan.layer_starts[1:], plan.num_equations)
     model.composed_layers = frozenset(zip(plan.layer_starts, ends, strict=True))
-    if not _mostly_repeated(model, zip(plan.layer_starts, ends, strict=True)):
-        return plan
     shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
     requests = []
     for k, (st, chosen) in enumerate(zip(plan.stages, solution.stages, strict=True)):
@@ -102,15 +99,6 @@ def refine_stages(
             stages_refined=replaced,
         )
     return dataclasses.replace(plan, stages=tuple(stages), planning=stats)
-
-
-def _mostly_repeated(model: _StageModel, layers) -> bool:
-    """Whether one layer structure makes at least half the layers: the tied whole-stage ILP
-    is then about one layer's size."""
-    hashes = collections.Counter(
-        layer_hash(sl.eqns, sl.invars, sl.outvars) for sl in (model.slice(a, b) for a, b in layers)
-    )
-    return 2 * max(hashes.values()) >= sum(hashes.values())
 
 
 def _refined(stage: StagePlan, whole: StageCost) -> StagePlan:

@@ -37,6 +37,7 @@ from ..shard.solve_pool import active_pool, session_pool, usable_cpus
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
 from ..solvers import FractionalRelaxation, solve_sharding
+from ..solvers.sharding.tie import NotTied
 from .layers import layer_hash
 from .stage_configs import StageConfig
 from .stage_slice import slice_stage
@@ -161,8 +162,9 @@ class _StageModel:
         # cached as the relaxation's bound (``StageCost.bound``) until ``settle`` solves it.
         # The stage DP sets it: a DP over bounds that picks only exact cells is optimal.
         self.defer_fractional = False
-        # While set (``refine.refine_stages``), whole-stage ILPs tie repeated layers, stop at
-        # ``REFINE_TIME_LIMIT`` and have no restricted fallback: a composed plan stands by.
+        # While set (``refine.refine_stages``), whole-stage ILPs are solved only with repeated
+        # layers tied (else no plan), stop at ``REFINE_TIME_LIMIT`` and have no restricted
+        # fallback: a composed plan stands by.
         self.refining = False
 
     def _io(self, start: int, end: int) -> tuple[Any, ...]:
@@ -499,7 +501,7 @@ class _StageModel:
                 time_limit=min(job.opt.time_limit, REFINE_TIME_LIMIT)
                 if self.refining
                 else job.opt.time_limit,
-                tie_repeats=self.refining,
+                tie_repeats="only" if self.refining else False,
                 solve=solve_sharding if pool is None else pool.solve,
                 defer_fractional=defer,
                 # A deferred layer's bound leaves their load out, which a composed stage
@@ -511,6 +513,8 @@ class _StageModel:
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"
+        except NotTied:
+            return "untied"  # (refining: the composed stage stands)
         except FractionalRelaxation as err:
             with self._lock:
                 self.stats.ilps_deferred += 1

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ..solvers import (
     solve_sharding,
 )
 from ..solvers.sharding.problem import FORBIDDEN_COST, evaluate
-from ..solvers.sharding.tie import repeated_groups, tie_nodes, untie_choice
+from ..solvers.sharding.tie import NotTied, repeated_groups, tie_nodes, untie_choice
 from .accumulators import accumulator_bytes, extra_bytes, fit_accumulators, paired_dims
 from .cost_model import CostModel
 from .plan import Alternative, NodePlan, PlannedCollective, ShardingPlan, TensorPlan
@@ -366,7 +366,7 @@ def plan_sharding(
     memory_budget: float | None = None,
     backend: str = "auto",
     time_limit: float | None = 60.0,
-    tie_repeats: bool = False,
+    tie_repeats: bool | Literal["only"] = False,
     solve: Callable[..., ShardingSolution] = solve_sharding,
     defer_fractional: bool = False,
     free_inputs: Sequence[int] = (),
@@ -377,7 +377,8 @@ def plan_sharding(
 
     ``tie_repeats``: where repeated layers make at least half the ILP's nodes alike
     (``solvers.sharding.tie``), solve with each group of alike nodes tied to one choice, as a
-    scanned stack is planned; the full ILP is solved instead when the tied one has no plan.
+    scanned stack is planned; the full ILP is solved instead when the tied one has no plan
+    (``"only"``: ``NotTied`` is raised instead, for callers with a plan to fall back on).
     ``solve``: ``solve_sharding`` or a stand-in with its signature (``SolvePool.solve``).
     ``defer_fractional``: raise the solver's ``FractionalRelaxation`` (its ``lower_bound`` in
     seconds) where the LP relaxation does not settle the ILP, instead of branching;
@@ -435,7 +436,7 @@ def _plan_once(
     memory_budget: float | None,
     backend: str,
     time_limit: float | None,
-    tie_repeats: bool,
+    tie_repeats: bool | Literal["only"],
     solve: Callable[..., ShardingSolution],
     defer_fractional: bool,
     free_inputs: Sequence[int],
@@ -461,6 +462,8 @@ def _plan_once(
         build_time = time.perf_counter() - t0
     try:
         sol = _solve_tied(inst.problem, backend, time_limit, solve) if tie_repeats else None
+        if sol is None and tie_repeats == "only":
+            raise NotTied(f"{inst.problem.num_nodes} nodes: too few alike, or no tied plan")
         sol = sol or _solve(inst.problem, backend, time_limit, solve=solve, defer=defer_fractional)
     except FractionalRelaxation as err:
         if not free_inputs:
@@ -603,17 +606,12 @@ def read_plan(
     reshards, reshard_time = _reshard_collectives(graph, cost, inst, chosen)
     core = (sol.reduction.get("nodes") or (None, None))[1]
     solver = {
-        "status": sol.status,
-        "gap": sol.gap,
-        "objective": sol.objective,
-        "solve_time": sol.solve_time,
-        "build_time": build_time,
-        "backend": sol.backend,
-        "nodes": inst.problem.num_nodes,
-        "edges": inst.problem.num_edges,
+        "status": sol.status, "gap": sol.gap, "objective": sol.objective,
+        "solve_time": sol.solve_time, "build_time": build_time, "backend": sol.backend,
+        "nodes": inst.problem.num_nodes, "edges": inst.problem.num_edges,
         "core_nodes": core,
         "tied": sol.reduction.get("tied"),  # (ILP nodes, groups solved) when tied
-    }
+    }  # fmt: skip
     return ShardingPlan(
         mesh_shape=tuple(cost.mesh.shape),
         axis_names=tuple(axis_names),

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import SolverInputError
 from .problem import ShardingProblem
 
-__all__ = ["repeated_groups", "tie_nodes", "untie_choice"]
+__all__ = ["NotTied", "repeated_groups", "tie_nodes", "untie_choice"]
 
 
 def tie_nodes(problem: ShardingProblem, groups: Sequence[int]) -> ShardingProblem:
@@ -88,6 +88,11 @@ def tie_nodes(problem: ShardingProblem, groups: Sequence[int]) -> ShardingProble
         node_names=names,
         strategy_names=strategy_names,
     )
+
+
+class NotTied(Exception):
+    """Tying alike nodes would not halve a problem, or its tied version has no solution: for
+    callers that asked for a tied solution or none (``plan_sharding(tie_repeats="only")``)."""
 
 
 def repeated_groups(problem: ShardingProblem, rounds: int = 4) -> np.ndarray:
