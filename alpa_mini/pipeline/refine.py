@@ -11,11 +11,13 @@ iteration). It runs once, on the micro-batch count the search chose, and keeps t
 plan only where it is faster and fits with the micro-batches the stage holds in flight; so
 it never makes a plan slower or larger than the budget.
 
-It refines one-stage plans only, and only where tying alike nodes halves the ILP (no plan
-otherwise: ``plan_sharding(tie_repeats="only")``). In a one-stage plan every layer, both
-readers of a tied parameter among them, shares the stage. Measured on 2026-11-28: gpt-39b's
-five stages took 14.7 s to refine and none got faster; wresnet-1b's one stage, solved
-untied, 18.7 s, no faster.
+It refines one-stage plans on one host's devices (two or more), and only where tying alike
+nodes halves the ILP (no plan otherwise: ``plan_sharding(tie_repeats="only")``). In a
+one-stage plan every layer, both readers of a tied parameter among them, shares the stage.
+Measured on 2026-11-28 (``python -m benchmarks.default_plans``): on 2-8 GPUs it took
+1-5 s and made six of the seven GPT and MoE rows 0.01-0.14% faster; on several hosts it
+took 15-25 s a row and made one of six rows (moe-27b) 0.11% faster; gpt-39b's five stages
+took 14.7 s and none got faster; wresnet-1b's one stage, solved untied, 18.7 s, no faster.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ def refine_stages(
 ) -> PipeshardPlan:
     """``plan`` with its stage replaced by its whole-stage ILP plan (same layers, submesh and
     config, repeats tied) where that is faster and still fits, for a one-stage plan of two or
-    more layers; ``sizes``: the step's optimiser-state and parameter bytes."""
+    more layers on one host; ``sizes``: the step's optimiser-state and parameter bytes."""
     solution = plan.stage_solution
     if not refines(method) or solution is None or len(plan.stages) != 1:
+        return plan
+    hosts, devices = plan.stages[0].submesh
+    if hosts > 1 or devices == 1:  # see the module docstring
         return plan
     t0 = time.perf_counter()
     model = _StageModel(forward, capture, cluster, method, *sizes)
