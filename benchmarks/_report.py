@@ -44,6 +44,19 @@ def update_section(name: str, markdown: str) -> None:
 MEMORY_MODEL = "accumulators"
 
 
+#: The stage graphs a row is priced on, recorded per row (``graph_model``): since 2026-11-28,
+#: evening, the planner drops dead code from each stage's traced forward + backward
+#: (``alpa_mini/pipeline/stage_trace.py``), 2-6% of a GPT or MoE stage's cost. Rows without
+#: the field were priced on graphs that still held it, so their seconds compare only among
+#: themselves.
+GRAPH_MODEL = "dead code dropped"
+
+
+def same_graphs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows were priced on the same stage graphs (``GRAPH_MODEL``)."""
+    return a.get("graph_model") == b.get("graph_model")
+
+
 def without_accumulators(rows: list[dict[str, Any]], field: str = "memory_model") -> list[str]:
     """The models of ``rows`` priced before the planner counted gradient accumulators."""
     return [r["model"] for r in rows if r.get(field) != MEMORY_MODEL]

@@ -36,6 +36,7 @@ from collections import Counter
 from typing import Any, Literal
 
 from benchmarks._report import (
+    GRAPH_MODEL,
     MEMORY_MODEL,
     RESULTS,
     earlier_rows,
@@ -242,8 +243,12 @@ def keep_ours(measured: dict[str, Any], earlier: dict[str, Any] | None) -> dict[
         )
     when = earlier.get("ours_date", earlier.get("date", ""))
     model = earlier.get("ours_memory_model", earlier.get("memory_model"))
+    graphs = earlier.get("ours_graph_model", earlier.get("graph_model"))
     kept = {k: earlier[k] for k in OUR_FIELDS}
-    return {**measured, **kept, "ours_date": when, "ours_memory_model": model}
+    return {
+        **measured, **kept, "ours_date": when, "ours_memory_model": model,
+        "ours_graph_model": graphs,
+    }  # fmt: skip
 
 
 def plan_summary(plan: Any) -> dict[str, Any] | None:
@@ -413,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             measured = keep_ours(measured, before.get(name))
         today = datetime.date.today().isoformat()
         sync = {"grad_sync": GRAD_SYNC, "grad_sync_ilp": GRAD_SYNC_ILP}
-        memory = {"memory_model": MEMORY_MODEL}
+        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL}
         if opts.ours == "tuned":
-            memory["ours_memory_model"] = MEMORY_MODEL
+            memory |= {"ours_memory_model": MEMORY_MODEL, "ours_graph_model": GRAPH_MODEL}
         results.append({**sync, **measured, "date": today, **memory})
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured

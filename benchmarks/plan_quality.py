@@ -29,6 +29,7 @@ import time
 from typing import Any, Literal
 
 from benchmarks._report import (
+    GRAPH_MODEL,
     MEMORY_MODEL,
     RESULTS,
     earlier_rows,
@@ -611,8 +612,12 @@ def main(argv: list[str] | None = None) -> int:
             result = _merged(result, by_model.get(name))
         today = datetime.date.today().isoformat()
         # The row's memory model holds only if every baseline kept is priced with it too.
-        fresh = subset is None or by_model.get(name, {}).get("memory_model") == MEMORY_MODEL
-        memory = {"memory_model": MEMORY_MODEL} if fresh else {}
+        earlier = by_model.get(name, {})
+        fresh = subset is None or (
+            earlier.get("memory_model") == MEMORY_MODEL
+            and earlier.get("graph_model") == GRAPH_MODEL
+        )
+        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL} if fresh else {}
         results.append({**result, "date": today, "grad_sync": GRAD_SYNC, **memory})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
