@@ -101,8 +101,8 @@ class AutoStageOption:
     config of its submesh (each logical mesh, and the ZeRO-3 column under ``memory_lean``)
     and keep the cheapest (whole-stage ILPs per distinct chosen stage: slower planning; the
     composition's estimate no longer decides the final plan). Without it, a one-stage plan
-    of mostly repeated layers is still re-planned whole on its chosen config, once, with the
-    repeats tied, where it runs on one host (``pipeline.refine``: about 1.5 s on GPT-3 1.3B).
+    on one host is still re-planned whole on its chosen config, once, with its repeated
+    layers tied (``pipeline.refine``: about 1.5 s on GPT-3 1.3B).
     refine_within: with ``refine``, re-plan only the configs whose composed estimate for the
     stage is within this fraction of the chosen config's (the chosen one always); None:
     every config. Whole-stage ILPs dominate refined planning, so this trades a little of

@@ -590,20 +590,20 @@ def _traced_parts(traced: TracedStep) -> tuple:
 
 def _plan(forward, capture, avals, roles, method, cluster, progress) -> PipeshardPlan:
     """Two-level planning of a traced step; optimiser state is sized from the ``state`` args."""
-    state_bytes, param_bytes = _sizes(avals, roles)
+    sizes = _sizes(avals, roles)
     plan = plan_pipeline(
         forward,
         capture,
         cluster,
         method,
-        state_bytes_total=state_bytes,
-        param_bytes_total=param_bytes,
+        state_bytes_total=sizes[0],
+        param_bytes_total=sizes[1],
         progress=progress,
     )
     release_free_memory()  # the cost tables and ILPs are garbage now
     if _SEARCHING.get():  # the search refines the count it chooses, once
         return plan
-    return refine_stages(plan, forward, capture, cluster, method, _sizes(avals, roles), progress)
+    return refine_stages(plan, forward, capture, cluster, method, sizes, progress)
 
 
 def _sizes(avals: Sequence[Any], roles: Sequence[str]) -> tuple[float, float]:

@@ -1,11 +1,11 @@
-"""The default refinement: each chosen stage of a composed plan re-planned as one ILP.
+"""The default refinement: a one-stage composed plan re-planned as one whole-stage ILP.
 
 A stage composed from per-layer ILPs pays for what no single layer sees: values handed
 between layers in the layout their producer liked, parameters shared by distant layers (a
 tied embedding) laid out as their first reader liked. One ILP over the whole stage weighs
 those together. Solved for every config it is Alpa-class slow (``AutoStageOption(refine=
 True)``); solved once, on the chosen config, with repeated layers tied to one choice
-(``shard.problem.plan_sharding(tie_repeats=True)``) and a time limit, it costs about a
+(``shard.problem.plan_sharding(tie_repeats="only")``) and a time limit, it costs about a
 second and a half on GPT-style stacks (gpt-1.3b on 4 GPUs: 32.6568 -> 32.6406 s per
 iteration). It runs once, on the micro-batch count the search chose, and keeps the whole
 plan only where it is faster and fits with the micro-batches the stage holds in flight; so
