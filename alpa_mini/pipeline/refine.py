@@ -61,37 +61,28 @@ def refine_stages(
     solution = plan.stage_solution
     if not refines(method) or solution is None or len(plan.stages) != 1:
         return plan
-    hosts, devices = plan.stages[0].submesh
-    if hosts > 1 or devices == 1:  # see the module docstring
+    (st,), (chosen,) = plan.stages, solution.stages
+    hosts, devices = st.submesh
+    if hosts > 1 or devices == 1 or st.layer_end == st.layer_start:  # see the module docstring
         return plan
     t0 = time.perf_counter()
+    if progress is not None:
+        progress("refining the stage whole")
     model = _StageModel(forward, capture, cluster, method, *sizes)
     model.refining = True
     ends = (*plan.layer_starts[1:], plan.num_equations)
     model.composed_layers = frozenset(zip(plan.layer_starts, ends, strict=True))
     shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-    requests = []
-    for k, (st, chosen) in enumerate(zip(plan.stages, solution.stages, strict=True)):
-        if st.layer_end > st.layer_start:
-            configs = stage_configs(shapes[chosen.submesh_index], method.stage_option)
-            config = configs[chosen.config_index]
-            requests.append((k, (st.eqn_start, st.eqn_end, st.submesh, config)))
-    if not requests:
-        return plan
-    if progress is not None:
-        progress(f"refining {len(requests)} stage(s) whole")
-    model.prefetch([r for _, r in requests])
-    stages = list(plan.stages)
-    S, budget, replaced = len(stages), _budget(method, cluster), 0
-    for k, (start, end, sub, (logical, layout)) in requests:
-        whole = model.cost(start, end, sub, logical, layout)
-        if whole is None:
-            continue
-        whole = _with_launches(model, whole, sub, logical)
-        # Under 1F1B stage k holds the activations of S - k micro-batches (the stage DP's
-        # memory rule, ``stage_search._fill_cells``).
-        if whole.latency < stages[k].latency and whole.memory(S - k) <= budget:
-            stages[k], replaced = _refined(stages[k], whole), replaced + 1
+    logical, layout = stage_configs(shapes[chosen.submesh_index], method.stage_option)[
+        chosen.config_index
+    ]
+    whole = model.cost(st.eqn_start, st.eqn_end, st.submesh, logical, layout)
+    if whole is not None:
+        whole = _with_launches(model, whole, st.submesh, logical)
+    # One stage holds one micro-batch's activations at a time (the stage DP's memory rule).
+    better = whole is not None and whole.latency < st.latency
+    replaced = better and whole.memory(1) <= _budget(method, cluster)
+    stages = (_refined(st, whole),) if replaced else plan.stages
     stats = plan.planning
     if stats is not None:
         c = model.stats
@@ -101,9 +92,9 @@ def refine_stages(
             ilp_seconds=stats.ilp_seconds + c.ilp_seconds,
             graph_seconds=stats.graph_seconds + c.graph_seconds,
             refine_seconds=time.perf_counter() - t0,
-            stages_refined=replaced,
+            stages_refined=int(replaced),
         )
-    return dataclasses.replace(plan, stages=tuple(stages), planning=stats)
+    return dataclasses.replace(plan, stages=stages, planning=stats)
 
 
 def _refined(stage: StagePlan, whole: StageCost) -> StagePlan:
