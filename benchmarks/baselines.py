@@ -39,9 +39,15 @@ simulator as our own plans.
   in the stage ILP (``shard/problem.py``).
 - ``deepspeed-moe``: DeepSpeed-MoE as Alpa's paper ran it: ZeRO stage 2 (optimiser state
   and gradients sharded over all devices, parameters replicated) with expert parallelism
-  (each expert weight split along its expert dimension, ``expert_splits``, over ep =
-  min(#experts, devices) devices, replicated over the other devices / ep), the batch split
-  over every device; no pipeline, no tensor parallelism. Tokens reach their experts by
+  (each expert weight split along its expert dimension, ``expert_splits``, over ep devices,
+  the most that divide both the experts and the devices, as DeepSpeed requires; replicated
+  over the other devices / ep), the batch split over every device; no pipeline, no tensor
+  parallelism. Its gradients are priced as DeepSpeed's ZeRO-2 runs them: reduce-scattered
+  into each device's partition after every micro-batch, only that partition held all step
+  (``alpa_mini.pipeline.grad_pricing``), where the generic ``zero-2`` is this runtime's
+  preset (accumulated, reduced once per step). Its micro-batch counts are DeepSpeed's
+  gradient-accumulation steps: those given and every power of two below the largest, where
+  each device gets whole rows. Tokens reach their experts by
   all-to-all, which the stage ILP finds between the batch-split tokens and the
   expert-split weights where bandwidth matters (with a few KiB per collective it may
   gather the tokens and all-reduce the combined output instead: fewer collectives).
@@ -66,6 +72,7 @@ estimate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -81,6 +88,7 @@ from alpa_mini.errors import ConfigError, MemoryBudgetError
 from alpa_mini.options.param_splits import ParamSplit, ParamSplits
 from alpa_mini.options.pipeshard import ManualLayerOption, PipeshardParallel, UniformStageOption
 from alpa_mini.options.shard import ShardParallel
+from alpa_mini.pipeline.grad_pricing import reduced_every_micro_batch
 from alpa_mini.pipeline.plan import PipeshardPlan
 from alpa_mini.pipeline.simulate import Simulation, simulate_plan
 from benchmarks.baseline_names import (
@@ -139,6 +147,7 @@ class BaselineResult:
     infeasible: int = 0  # of which did not fit
     reason: str = ""  # why nothing fits, when nothing does
     seconds: float = 0.0  # wall time of the search
+    pricing: str = ""  # how its gradients were priced where not as this runtime syncs
 
     @property
     def feasible(self) -> bool:
@@ -225,15 +234,16 @@ def deepspeed_moe_configs(
     num_devices: int, num_experts: int, batch_size: int, micro_batches: Iterable[int]
 ) -> list[dict[str, int]]:
     """DeepSpeed-MoE's grid: one stage over every device, the batch split over all of them
-    (dp = devices), experts over ep = min(#experts, devices) of them; ep must divide both
-    (DeepSpeed's rule), and each micro-batch must split over dp."""
-    ep = min(num_experts, num_devices)
-    if num_experts % ep or num_devices % ep:
-        return []
+    (dp = devices), experts over the most devices ep that divide both the experts and the
+    devices (DeepSpeed's rule). Micro-batch counts (gradient-accumulation steps): those
+    given and every power of two below the largest, each micro-batch splitting over dp."""
+    ep = math.gcd(num_experts, num_devices)
+    given = [b for b in micro_batches if b >= 1]
+    counts = set(given) | {2**k for k in range(max(given, default=0).bit_length())}
     return [
         {"dp": num_devices, "ep": ep, "pp": 1, "micro_batches": b}
-        for b in sorted(set(micro_batches))
-        if b >= 1 and batch_size % b == 0 and (batch_size // b) % num_devices == 0
+        for b in sorted(counts)
+        if batch_size % b == 0 and (batch_size // b) % num_devices == 0
     ]
 
 
@@ -261,6 +271,11 @@ def megatron_configs(
                     continue
                 out.append({"dp": dp, "tp": tp, "pp": pp, "micro_batches": b})
     return out
+
+
+#: The ``pricing`` of DeepSpeed-MoE's results: ZeRO-2's gradients reduced into their
+#: partitions every micro-batch (results without it were priced as this runtime syncs).
+DEEPSPEED_PRICING = "zero2-every-micro-batch"
 
 
 def run_baseline(
@@ -300,6 +315,10 @@ def run_baseline(
     configs, option, why_none = _space(
         name, args[0], n, grid, batch_size, micro_batches, ilp_option or ShardParallel()
     )
+    # DeepSpeed's ZeRO-2 reduces its gradient partitions every micro-batch.
+    deepspeed = name == "deepspeed-moe"
+    pricing = reduced_every_micro_batch if deepspeed else contextlib.nullcontext
+    priced = DEEPSPEED_PRICING if deepspeed else ""
     t0 = time.perf_counter()
 
     def attempt(
@@ -319,7 +338,8 @@ def run_baseline(
             gradient_sync="ilp",
         )
         try:
-            plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
+            with pricing():
+                plan = alpa_mini.plan(step, *args, method=method, cluster=cluster)
         except MemoryBudgetError as err:
             return None, math.inf, math.inf, f"{_label(c)}: {err}"
         sim = simulate_plan(plan, cluster)
@@ -363,9 +383,12 @@ def run_baseline(
     if best is None:
         why = reasons[0] if reasons else why_none
         return BaselineResult(
-            name, math.inf, tried=len(configs), infeasible=infeasible, reason=why, seconds=elapsed
-        )
-    return dataclasses.replace(best, tried=len(configs), infeasible=infeasible, seconds=elapsed)
+            name, math.inf, tried=len(configs), infeasible=infeasible, reason=why,
+            seconds=elapsed, pricing=priced,
+        )  # fmt: skip
+    return dataclasses.replace(
+        best, tried=len(configs), infeasible=infeasible, seconds=elapsed, pricing=priced
+    )
 
 
 def run_baselines(

@@ -197,6 +197,7 @@ def row(
                 "infeasible": r.infeasible,
                 "reason": r.reason,
                 "seconds": r.seconds,
+                **({"pricing": r.pricing} if r.pricing else {}),
             }
             for r in results
         ],
@@ -446,7 +447,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str, wall: float, earlier: 
         "inside every stage of Megatron's grid over (dp, tp, pp, micro-batches) with even "
         "layer split and tensor parallelism inside a host; *megatron* in rows run before "
         "it was renamed) and each family's faithful baseline: Megatron-LM's own layouts on "
-        "that grid for GPT, DeepSpeed-MoE (ZeRO-2 with expert parallelism, no pipeline) for "
+        "that grid for GPT, DeepSpeed-MoE (ZeRO-2 with expert parallelism, no pipeline; its "
+        "gradients reduced every micro-batch, as DeepSpeed's ZeRO-2 does, from 2026-11-28 "
+        "night) for "
         "MoE, PP-DP for Wide-ResNet (`benchmarks/baselines.py`); the best that fits is "
         "shown, and ours is also compared with the faithful baseline (target 1.00; on 16+ "
         "GPUs 0.95 for GPT, 0.5 for MoE, 0.8 for Wide-ResNet; – where the row predates it) "

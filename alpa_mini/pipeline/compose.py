@@ -91,7 +91,7 @@ def bound_alignments(model, table: _LayerTable, starts, ends, sub, config) -> No
         held = model.memory_floor(starts[x], ends[x], sub, logical, layout)[0]
         if c.plan is None:
             ilp = 0.0
-        elif model.method.gradient_sync == "ilp":  # the sync is in the ILP's objective
+        elif model.ties_gradients:  # the sync is in the ILP's objective
             ilp = c.latency
         else:
             ilp = c.plan.predicted_time

@@ -21,10 +21,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from ..cluster.spec import ClusterSpec
-from ..errors import MemoryBudgetError
+from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture
 from ..graph.jaxpr_walk import eval_eqns
-from ..graph.op_graph import OpGraph
 from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
     PipeshardParallel,
@@ -38,6 +37,7 @@ from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
 from ..solvers import FractionalRelaxation, solve_sharding
 from ..solvers.sharding.tie import NotTied
+from .grad_pricing import amortize_gradient_reductions, every_micro_batch, gradient_sync_seconds
 from .layers import layer_hash
 from .stage_configs import StageConfig
 from .stage_slice import slice_stage
@@ -147,6 +147,10 @@ class _StageModel:
         self._cost_models: dict[Any, CostModel] = {}
         self._floors: dict[Any, tuple[float, float, float]] = {}
         self._shared = _SHARED_COST_MODELS.get()  # read here: prefetch threads do not see it
+        # DeepSpeed's ZeRO-2 gradients (``grad_pricing``), for a baseline; read here likewise.
+        self.every_micro_batch = every_micro_batch()
+        # Gradients tied to their parameters' layouts inside the ILP (gradient_sync="ilp").
+        self.ties_gradients = method.gradient_sync == "ilp" and not self.every_micro_batch
         self._fresh: set[Any] = set()
         self._sites: dict[Any, tuple[int, int]] | None = None
         # Preset (pinned-layout) ILPs by (structure, submesh, logical mesh, layout, batch
@@ -357,7 +361,8 @@ class _StageModel:
         graph = trace_jaxpr(closed, roles, names)
         first_grad = len(diff_out) + len(nondiff_out)
         grads = [first_grad + k for k, r in enumerate(roles[:nd_n]) if r == "param"]
-        graph = amortize_gradient_reductions(graph, grads, 1.0 / self.method.num_micro_batches)
+        per_step = 1.0 if self.every_micro_batch else 1.0 / self.method.num_micro_batches
+        graph = amortize_gradient_reductions(graph, grads, per_step)
         param_bytes = sum(
             _nbytes(v.aval)
             for v in diff_in
@@ -435,7 +440,11 @@ class _StageModel:
         # or gather that brings the gradient into the parameter's layout.
         first_grad = len(diff_out) + len(nondiff_out)
         params = [k for k in range(len(diff_in)) if roles[k] == "param"]
-        tie = self.method.gradient_sync == "ilp"
+        tie = self.ties_gradients
+        grad_filters = None
+        if self.every_micro_batch:  # ZeRO-2 as DeepSpeed runs it (``grad_pricing``)
+            grad_filters, held = self._partitions(graph, opt, logical, diff_in, params, first_grad)
+            state += held
         return _StageJob(
             key=key,
             submesh=submesh,
@@ -456,6 +465,7 @@ class _StageModel:
             ],
             memory=None if math.isinf(budget) else max(budget - state, 1.0),
             state=state,
+            grad_filters=grad_filters,
             residual_bytes=res_total / n_dev,
             layer=(sl.start, sl.end) in self.composed_layers,
         )
@@ -495,6 +505,7 @@ class _StageModel:
                 job.cost,
                 AXIS_NAMES[: len(job.logical)],
                 input_filters=filters,
+                output_filters=job.grad_filters,
                 aliases=job.aliases,
                 memory_budget=job.memory,
                 backend=job.opt.backend,
@@ -508,7 +519,9 @@ class _StageModel:
                 # only pays for values from outside it: the bound holds either way.
                 free_inputs=job.handed if defer else (),
                 # With several micro-batches every gradient accumulates all step long.
-                accumulated=job.params if self.method.num_micro_batches > 1 else (),
+                accumulated=job.params
+                if self.method.num_micro_batches > 1 and not self.every_micro_batch
+                else (),
                 accumulators_in_ilp=not job.layer,
             )
         except MemoryBudgetError as err:
@@ -622,7 +635,7 @@ class _StageModel:
         sync = (
             0.0
             if job.tie
-            else _gradient_sync(plan, job.cost, diff_in, job.params, job.first_grad)
+            else gradient_sync_seconds(plan, job.cost, diff_in, job.params, job.first_grad)
             / self.method.num_micro_batches
         )
         return StageCost(
@@ -633,11 +646,26 @@ class _StageModel:
             plan=plan,
             in_specs=tuple(in_spec_of.get(v) for v in sl.invars),
             out_specs=tuple(out_spec_of.get(v) for v in sl.outvars),
-            held_bytes=plan_held_bytes(plan, job.residual_bytes),
+            held_bytes=plan_held_bytes(plan, job.residual_bytes, not self.every_micro_batch),
         )
 
+    def _partitions(self, graph, opt, logical, diff_in, params: list[int], first_grad: int):
+        """DeepSpeed's ZeRO-2: the output filters pinning each parameter's gradient to its
+        optimiser state's layout (its partition), and the bytes per device those partitions
+        hold all step."""
+        if opt.layout not in ("zero2", "zero3"):
+            raise ConfigError(
+                f"layout: {opt.layout!r} has no ZeRO partitions for gradients reduced every "
+                "micro-batch (grad_pricing.reduced_every_micro_batch); use 'zero2' or 'zero3'"
+            )
+        filters: list[Any] = [None] * len(graph.outputs)
+        for k in params:
+            shape = tuple(diff_in[k].aval.shape)
+            filters[first_grad + k] = opt.input_filter("state", shape, logical)
+        return filters, sum(_nbytes(diff_in[k].aval) for k in params) / math.prod(logical)
 
-def plan_held_bytes(plan: ShardingPlan, residual_bytes: float) -> float:
+
+def plan_held_bytes(plan: ShardingPlan, residual_bytes: float, accumulators: bool = True) -> float:
     """Bytes per device a layer planned as ``plan`` holds while the other layers of its
     stage run: its parameters in the layouts its ILP chose, their gradients as the runtime
     keeps them (``shard.accumulators``: unreduced over the data-parallel axes, so a ZeRO
@@ -650,7 +678,7 @@ def plan_held_bytes(plan: ShardingPlan, residual_bytes: float) -> float:
         for t in plan.tensors
         if t.role == "param"
     )
-    return params + held_accumulators(plan) + residual_bytes
+    return params + (held_accumulators(plan) if accumulators else 0.0) + residual_bytes
 
 
 @dataclass(frozen=True)
@@ -671,7 +699,8 @@ class _StageJob:
     aliases: list[tuple[int, int]]
     handed: list[int]  # input indices of values handed on between layers, not from the host
     memory: float | None  # the ILP's budget: the stage's minus optimiser state
-    state: float
+    state: float  # held all step: optimiser state (and ZeRO-2's gradient partitions)
+    grad_filters: list[Any] | None  # output filters: ZeRO-2's gradient partitions, or none
     residual_bytes: float
     layer: bool = False  # one of the layers a stage is composed from
 
@@ -705,53 +734,6 @@ _FUSED = ELEMENTWISE | {
 def _kernels(graph) -> float:
     """Kernels a stage program runs, roughly: its operations that XLA does not fuse away."""
     return sum(n.multiplier for n in graph.nodes if n.kind == "op" and n.primitive not in _FUSED)
-
-
-#: Operations a gradient passes through on its way out: layout, dtype, sums of contributions.
-_GRADIENT_PASS = frozenset(
-    {"add_any", "add", "transpose", "reshape", "convert_element_type", "copy", "squeeze"}
-)
-
-
-def amortize_gradient_reductions(graph: OpGraph, grad_outputs: list[int], scale: float) -> OpGraph:
-    """``graph`` with the operations that produce the given gradient outputs (and the sums and
-    layout changes on the way) charged ``scale`` of their collectives: the runtime adds each
-    data-parallel group's partial gradient over the micro-batches and reduces once per step
-    (``lower/partials.py``), so a reduction priced per micro-batch costs 1/B of itself."""
-    if scale == 1.0:
-        return graph
-    producer = {t: n for n in graph.nodes for t in n.outputs}
-    marked: set[int] = set()
-    stack = [graph.outputs[k] for k in grad_outputs]
-    seen: set[int] = set()
-    while stack:
-        t = stack.pop()
-        node = producer.get(t)
-        if t in seen or node is None:
-            continue
-        seen.add(t)
-        marked.add(node.id)
-        if node.primitive in _GRADIENT_PASS:
-            stack.extend(i for i in node.inputs if i is not None)
-    nodes = tuple(
-        dataclasses.replace(n, comm_scale=scale) if n.id in marked else n for n in graph.nodes
-    )
-    return dataclasses.replace(graph, nodes=nodes)
-
-
-def _gradient_sync(plan, cost, diff_in, params: list[int], first_grad: int) -> float:
-    """Seconds to bring each parameter's gradient into the parameter's layout, where the
-    optimiser sums and applies it (an all-gather of a sharded gradient, a slice of a
-    replicated one), priced after the solve (``gradient_sync="after"``; under the default
-    "ilp" the stage's ILP prices it through its aliases instead)."""
-    seconds = 0.0
-    for k in params:
-        grad, param = plan.output_specs[first_grad + k], plan.tensors[plan.inputs[k]].spec
-        if grad is None or param is None or grad == param:
-            continue
-        aval = diff_in[k].aval
-        seconds += cost.reshard(tuple(aval.shape), np.dtype(aval.dtype).itemsize, grad, param)
-    return seconds
 
 
 def _nbytes(aval: Any) -> float:

@@ -305,7 +305,7 @@ def _output_weight(graph: OpGraph, vertex: int) -> float:
     """How often an output moves into its returned (or aliased) layout per run of the graph:
     once, unless its producer's collectives run less often. A pipeshard stage graph is one
     micro-batch, and a gradient it reduces once per step (``comm_scale`` 1/B) is brought into
-    its parameter's layout once per step too, as ``_gradient_sync`` prices it. A producer
+    its parameter's layout once per step too, as ``gradient_sync_seconds`` prices it. A producer
     inside an inlined loop (``multiplier`` L, deferred: ``comm_scale`` 1/L) still hands its
     output over once."""
     n_in = len(graph.inputs)

@@ -31,7 +31,11 @@ from alpa_mini.models.moe import (
     moe_lm_loss,
 )
 from alpa_mini.options.param_splits import ParamSplit, ParamSplits
+from alpa_mini.options.pipeshard import ManualLayerOption, PipeshardParallel, UniformStageOption
+from alpa_mini.options.shard import ShardParallel
 from alpa_mini.pipeline import stage_cost, stage_search
+from alpa_mini.pipeline.grad_pricing import gradient_sync_seconds, reduced_every_micro_batch
+from alpa_mini.pipeline.stage_cost import plan_held_bytes
 from alpa_mini.shard.spec import ShardingSpec
 from benchmarks.baselines import (
     FAITHFUL,
@@ -48,6 +52,9 @@ A100 = ClusterSpec.named("dgx-a100")
 A100_4 = dataclasses.replace(A100, num_hosts=1, devices_per_host=4)
 # Unambiguous shapes: V, S, H, F = 512, 32, 64, 256 (no two roles share one).
 GPT = GPTConfig(vocab_size=512, seq_len=32, hidden=64, num_heads=4, num_layers=2)
+MOE = MoELMConfig(
+    vocab_size=256, seq_len=128, hidden=256, num_heads=4, num_layers=2, num_experts=4, ffn_ratio=8
+)
 
 #: Megatron-LM's split of each gpt.py leaf: dimension over tp (None: replicated).
 WANT = {
@@ -222,17 +229,8 @@ def test_deepspeed_moe_splits_experts_shards_state_and_dispatches_by_all_to_all(
     x 4 bytes (capacity = seq: one group per sequence, nothing dropped). Sizes are large
     enough for bandwidth to matter: with a few KiB per collective the ILP finds gathering
     the tokens and all-reducing the combined output cheaper (fewer collectives)."""
-    rows, seq, hidden, experts = 32, 128, 256, 4
-    config = MoELMConfig(
-        vocab_size=256,
-        seq_len=seq,
-        hidden=hidden,
-        num_heads=4,
-        num_layers=2,
-        num_experts=experts,
-        ffn_ratio=8,
-    )
-    step, args = _step(config, rows)
+    rows, seq, hidden, experts = 32, MOE.seq_len, MOE.hidden, MOE.num_experts
+    step, args = _step(MOE, rows)
     got = run_baseline(
         "deepspeed-moe", step, args, A100_4, num_layers=3, batch_size=rows, micro_batches=(1,)
     )
@@ -252,17 +250,66 @@ def test_deepspeed_moe_splits_experts_shards_state_and_dispatches_by_all_to_all(
     model = stage_plans["models"][-1]
     cost = model.cost(stage.eqn_start, stage.eqn_end, stage.submesh, stage.logical_shape)
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
-    assert cost.state_bytes == pytest.approx(model.state_ratio * param_bytes / 4, rel=1e-12)
+    # Adam's state and ZeRO-2's gradient partitions, both split over the 4 devices.
+    want = (model.state_ratio + 1.0) * param_bytes / 4
+    assert cost.state_bytes == pytest.approx(want, rel=1e-12)
+
+
+def test_deepspeed_zero2_reduces_every_micro_batch_into_partitions(stage_plans):
+    """DeepSpeed's ZeRO-2 keeps only its partition of each gradient, so it reduces after
+    every micro-batch (its maintainers: deepspeedai/DeepSpeed#2252). Priced so at B = 2:
+    every gradient leaves the stage in its optimiser state's layout, split over all 4
+    devices, its reduction charged in full each micro-batch (nothing scaled by 1/B as this
+    runtime's once-per-step sync is); the partitions are held all step beside the state,
+    no unreduced accumulator is; the updated parameters are gathered once per step."""
+    step, args = _step(MOE, 32)
+    splits = expert_splits(args[0])
+    method = PipeshardParallel(
+        num_micro_batches=2,
+        layer_option=ManualLayerOption(),
+        stage_option=UniformStageOption(1, (1, 4), (1, 4), profiling="whole"),
+        default_auto_sharding_option=ShardParallel(layout="zero2", tensor_splits=splits),
+    )
+    with reduced_every_micro_batch():
+        deep = alpa_mini.plan(step, *args, method=method, cluster=A100_4)
+    ours = alpa_mini.plan(step, *args, method=method, cluster=A100_4)
+    costs, jobs, ios = [], [], []
+    for model, plan in zip(stage_plans["models"], (deep, ours), strict=True):
+        (st,) = plan.stages
+        ios.append(model._io(st.eqn_start, st.eqn_end))
+        costs.append(model.cost(st.eqn_start, st.eqn_end, st.submesh, st.logical_shape))
+        jobs.append(model._job(ios[-1], st.submesh, st.logical_shape, "auto"))
+    (d, o), (dj, oj) = costs, jobs
+    assert {n.comm_scale for n in dj.graph.nodes} == {1.0}
+    assert 0.5 in {n.comm_scale for n in oj.graph.nodes}
+    assert dj.aliases == [] and len(oj.aliases) == len(oj.params) > 0
+    for k in dj.params:
+        assert d.plan.output_specs[dj.first_grad + k].num_shards((1, 4)) == 4
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
+    assert d.state_bytes == pytest.approx(o.state_bytes + param_bytes / 4, rel=1e-12)
+    residual = d.residual_bytes
+    assert d.held_bytes == plan_held_bytes(d.plan, residual, accumulators=False)
+    assert d.held_bytes < plan_held_bytes(d.plan, residual)
+    gather = gradient_sync_seconds(d.plan, dj.cost, ios[0][1], dj.params, dj.first_grad)
+    assert gather > 0.0
+    assert d.latency == pytest.approx(d.plan.predicted_time + gather / 2, rel=1e-12)
 
 
 def test_deepspeed_grid_and_family_mapping():
-    """ep = min(#experts, devices) must divide both; the batch splits over every device."""
+    """ep: the most devices dividing both the experts and the devices (DeepSpeed's rule);
+    micro-batch counts: those given and the powers of two below the largest, each
+    micro-batch splitting over every device."""
     assert deepspeed_moe_configs(4, 8, 16, (1, 2, 8)) == [
-        {"dp": 4, "ep": 4, "pp": 1, "micro_batches": b} for b in (1, 2)
+        {"dp": 4, "ep": 4, "pp": 1, "micro_batches": b} for b in (1, 2, 4)
     ]  # B = 8 leaves 2 rows, which do not split over 4 devices
     assert deepspeed_moe_configs(8, 2, 16, (1,))[0]["ep"] == 2
-    assert deepspeed_moe_configs(4, 3, 16, (1,)) == []  # 3 experts over 3 of 4 devices
-    assert deepspeed_moe_configs(4, 6, 16, (1,)) == []  # 6 experts over 4 devices
+    assert deepspeed_moe_configs(4, 3, 16, (1,))[0]["ep"] == 1  # experts replicated
+    assert deepspeed_moe_configs(4, 6, 16, (1,))[0]["ep"] == 2  # 6 experts, 2 per group
+    # MoE-27B's 48 experts on 32 GPUs: 16 expert groups; its batch of 1024 gives each
+    # of the 32 devices whole rows up to 32 micro-batches.
+    got = deepspeed_moe_configs(32, 48, 1024, (32, 64, 128, 256))
+    assert {c["ep"] for c in got} == {16}
+    assert [c["micro_batches"] for c in got] == [1, 2, 4, 8, 16, 32]
     assert FAITHFUL == {"gpt": "megatron-lm", "moe": "deepspeed-moe", "wresnet": "pp-dp"}
     assert family_baselines("moe")[-1] == "deepspeed-moe"
     assert family_baselines("wresnet") == family_baselines("mlp")  # PP-DP is generic
