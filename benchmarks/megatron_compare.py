@@ -314,15 +314,17 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             "" if r["their_B"] is None else f" (B{r['their_B']})"
         )
         activations = "recomputed" if r.get("recomputed") else "stored"
+        # Our plan kept from a run on other stage graphs is not compared (``GRAPH_MODEL``).
+        same = r.get("ours_graph_model", r.get("graph_model")) == r.get("graph_model")
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
-        ratio = f"{r['ours'] / r['theirs']:.3f}" if both else "–"
+        ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_GRAPHS) if both else "–"
         sync = _sync_text(r)
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
         lm = r.get("megatron_lm")
         lm_text = "–" if lm is None else _seconds(lm)
         fits = lm is not None and math.isfinite(lm) and math.isfinite(r["ours"])
-        lm_ratio = f"{r['ours'] / lm:.3f}" if fits else "–"
+        lm_ratio = (f"{r['ours'] / lm:.3f}" if same else OTHER_GRAPHS) if fits else "–"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {activations} | {sync} | {theirs} "
             f"| {_seconds(r['theirs'])} | {mine} | "
@@ -337,6 +339,12 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
     notes += _memory_notes(results)
+    if any(OTHER_GRAPHS in line for line in lines):
+        notes.append(
+            f"- {OTHER_GRAPHS}: our tuned plan was priced on stage graphs with dead code "
+            "(before 2026-11-28, evening: `_report.GRAPH_MODEL`), Megatron's side without, so "
+            "their seconds are not compared; the defaults are, in *Plans with the defaults*"
+        )
     stale = [r["model"] for r in results if _sync_text(r) == STALE]
     if stale:
         notes.append(
@@ -345,6 +353,10 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             "once per micro-batch, leaning against data parallelism); to be re-run"
         )
     return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
+
+
+#: A ratio left out: the two sides were priced on different stage graphs.
+OTHER_GRAPHS = "– (other graphs)"
 
 
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:

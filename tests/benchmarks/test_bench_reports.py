@@ -179,6 +179,11 @@ def test_megatron_rows_kept_ours_and_the_memory_model_they_were_priced_with():
     assert "- Megatron's sides priced without gradient accumulators: megatron-x\n" in text
     assert "- Ours priced without gradient accumulators: megatron-x, megatron-x\n" in text
     assert "- Ours kept from an earlier run (`--ours kept`): megatron-x (2026-11-26)" in text
+    # Megatron's side re-priced on other stage graphs than our kept plan: not compared.
+    regraphed = keep_ours(dict(measured, graph_model="dead code dropped"), earlier)
+    text = megatron_markdown([regraphed], "alpa-mini bench megatron", 1.0)
+    assert "| 8.00 | – (other graphs) |" in text
+    assert "- – (other graphs): our tuned plan was priced on stage graphs with dead code" in text
     with pytest.raises(SystemExit, match="megatron-x has no earlier row"):
         keep_ours(measured, None)
 
