@@ -669,8 +669,9 @@ def plan_held_bytes(plan: ShardingPlan, residual_bytes: float, accumulators: boo
     """Bytes per device a layer planned as ``plan`` holds while the other layers of its
     stage run: its parameters in the layouts its ILP chose, their gradients as the runtime
     keeps them (``shard.accumulators``: unreduced over the data-parallel axes, so a ZeRO
-    layout's a whole copy per group, even with one micro-batch) and its residuals (worked
-    out once per plan; every composed table reads it)."""
+    layout's a whole copy per group, even with one micro-batch; not with ``accumulators``
+    False, where ZeRO-2's partitions are counted with the optimiser state instead) and its
+    residuals (worked out once per plan; every composed table reads it)."""
     params = sum(
         math.prod(t.shape)
         * np.dtype(t.dtype).itemsize

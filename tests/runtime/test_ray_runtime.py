@@ -453,12 +453,19 @@ def test_ray_job_submit_runs_the_example(ray_head):
     _, dashboard, _ = ray_head
     root = Path(__file__).resolve().parents[2]
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    out = subprocess.run(
-        [ray_cli, "job", "submit", "--address", dashboard, "--working-dir", str(root / "examples"),
-         "--", sys.executable, "train_gpt.py", "--cluster", "ray", "--address", "auto",
-         "--steps", "3"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    command = [
+        ray_cli, "job", "submit", "--address", dashboard, "--working-dir", str(root / "examples"),
+        "--", sys.executable, "train_gpt.py", "--cluster", "ray", "--address", "auto",
+        "--steps", "3",
+    ]  # fmt: skip
+    # A fresh head's dashboard may answer before its job agent registers; Ray then refuses
+    # the job (nothing submitted) with "No available agent ... try again later".
+    deadline = time.monotonic() + 120.0
+    while True:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "succeeded" in out.stdout + out.stderr
     steps = [line.split() for line in out.stdout.splitlines() if line.startswith("step ")]
