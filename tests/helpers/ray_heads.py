@@ -92,11 +92,19 @@ def ray_head(monkeypatch):
     job server listen on 127.0.0.1."""
     temp_dir = tempfile.mkdtemp(prefix="alpa-mini-head-")
     port, dashboard = _free_port(), _free_port()
+    # The agents' ports too: their defaults are fixed (the dashboard agent's 52365), so a
+    # second Ray on this machine (the other pytest worker's) would leave this head without
+    # a job agent ("No available agent to submit job").
+    agents = [
+        f"--{flag}={_free_port()}"
+        for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                     "runtime-env-agent-port", "metrics-export-port")
+    ]  # fmt: skip
     ray_cli = str(Path(sys.executable).with_name("ray"))
     subprocess.run(
         [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp_dir}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", "--disable-usage-stats"],
+         f"--dashboard-port={dashboard}", "--disable-usage-stats", *agents],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     # `ray start` heads use token authentication in Ray 2.60; the driver must say so.
