@@ -463,7 +463,7 @@ def test_ray_job_submit_runs_the_example(ray_head):
     deadline = time.monotonic() + 120.0
     while True:
         out = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if "No available agent" not in out.stderr or time.monotonic() > deadline:
+        if "No available agent" not in out.stdout + out.stderr or time.monotonic() > deadline:
             break
         time.sleep(2.0)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
