@@ -50,6 +50,9 @@ class _Builder:
         self.warnings: list[str] = []
         # (path, var) -> how often per step a value kept partial is reduced (its loop's exit).
         self.reduced_at: dict[tuple[tuple[int, ...], Any], float] = {}
+        # id(eqn) -> (flops, source): an inlined jitted layer repeats its equation objects
+        # once per call (the nodes keep them alive, so ids are not reused meanwhile).
+        self._eqn_facts: dict[int, tuple[float, str]] = {}
 
     # ---------------------------------------------------------------- helpers
     def tensor(self, aval: Any, producer: int | None, role: str, name: str = "") -> int:
@@ -113,7 +116,11 @@ class _Builder:
         for k, var in enumerate(eqn.outvars):
             tid = self.tensor(var.aval, node_id, "intermediate", f"{name}.{node_id}.{k}")
             outs.append(tid)
-        flops = sum(jaxpr_flops(s) for s in subjaxprs(eqn)) if opaque else equation_flops(eqn)
+        facts = self._eqn_facts.get(id(eqn))
+        if facts is None:
+            flops = sum(jaxpr_flops(s) for s in subjaxprs(eqn)) if opaque else equation_flops(eqn)
+            facts = self._eqn_facts[id(eqn)] = (flops, _source(eqn))
+        flops, source = facts
         self.node(
             primitive=name,
             inputs=tuple(ins),
@@ -126,7 +133,7 @@ class _Builder:
             params=dict(eqn.params),
             kind="opaque" if opaque else "op",
             path=here,
-            source=_source(eqn),
+            source=source,
         )
         for var, tid in zip(eqn.outvars, outs, strict=True):
             self.bind(env, var, tid, path)

@@ -23,9 +23,10 @@ from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, solve_stages
 
 
-def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, names) -> None:
+def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, names) -> dict:
     """Raise ``InfeasibleError`` when no slicing fits ``budget`` per device even with every
-    layer at its memory floor; return quietly otherwise (the full table decides).
+    layer at its memory floor; otherwise return, per allowed (submesh, config), which layer
+    ranges fit at their floors and their ``max_succ`` (the full table decides the rest).
 
     Most counts fit: an even slicing over one submesh shape that fits at the floors shows
     it without the stage DP (which, at Megatron's 1T on 384 hosts, spends seconds on a
@@ -45,7 +46,7 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
     for (si, _), (fits, succ) in cells.items():
         size = shapes[si][0] * shapes[si][1]
         if total % size == 0 and _even_slicing_fits(fits, succ, total // size):
-            return
+            return cells
     cost = np.full((L, L, len(shapes), C), np.inf)
     max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
     for (si, ci), (fits, succ) in cells.items():
@@ -63,6 +64,7 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
             "evenly over its stage's devices",
             **err.details,
         ) from None
+    return cells
 
 
 def _floor_cells(floors: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ from ..options.pipeshard import (
 from ..shard.accumulators import held_accumulators
 from ..shard.cost_model import CostModel
 from ..shard.plan import ShardingPlan
-from ..shard.problem import plan_sharding
+from ..shard.problem import cost_floor, plan_sharding
 from ..shard.solve_pool import active_pool, session_pool, usable_cpus
 from ..shard.spec import ShardingSpec
 from ..shard.strategies import ELEMENTWISE
@@ -146,6 +146,7 @@ class _StageModel:
         self._calls: dict[str, Callable[..., Any]] = {}  # ``_layer_calls``, by layer hash
         self._cost_models: dict[Any, CostModel] = {}
         self._floors: dict[Any, tuple[float, float, float]] = {}
+        self._latency_floors: dict[Any, float] = {}
         self._shared = _SHARED_COST_MODELS.get()  # read here: prefetch threads do not see it
         # DeepSpeed's ZeRO-2 gradients (``grad_pricing``), for a baseline; read here likewise.
         self.every_micro_batch = every_micro_batch()
@@ -460,15 +461,17 @@ class _StageModel:
             aliases=[(k, first_grad + k) for k in params] if tie else [],
             # Activations and cotangents: priced as arriving from the host, though inside a
             # stage they are handed on (compose._layer_table credits that load back).
-            handed=[
-                k for k, (v, cot) in enumerate(_ilp_inputs(io)) if cot or v not in self.loss_in
-            ],
+            handed=self._handed(io),
             memory=None if math.isinf(budget) else max(budget - state, 1.0),
             state=state,
             grad_filters=grad_filters,
             residual_bytes=res_total / n_dev,
             layer=(sl.start, sl.end) in self.composed_layers,
         )
+
+    def _handed(self, io: tuple[Any, ...]) -> list[int]:
+        """The ILP inputs a composition hands on inside a stage: activations, cotangents."""
+        return [k for k, (v, cot) in enumerate(_ilp_inputs(io)) if cot or v not in self.loss_in]
 
     def _solve_once(
         self, job: _StageJob, filters: list[Any] | None, preset: Any, defer: bool = False
@@ -617,6 +620,25 @@ class _StageModel:
             hit = self._floors[key] = (
                 floor.held_bytes, floor.residual_bytes, floor.state_bytes
             )  # fmt: skip
+        return hit
+
+    def latency_floor(
+        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
+    ) -> float:
+        """Seconds per micro-batch no plan of equations ``[start, end)`` on a submesh of this
+        shape takes less than, as a composed layer (its handed values free, as
+        ``_bound_cost`` leaves them), without building its ILP (``shard.problem.cost_floor``:
+        the same for every logical mesh and layout of the submesh's devices)."""
+        io = self._io(start, end)
+        key = (io[5], submesh)
+        hit = self._latency_floors.get(key)
+        if hit is None:
+            graph = self._graph(io)[0]
+            model = self.cost_model(submesh, logical)
+            hit = cost_floor(graph, model, free_inputs=self._handed(io))
+            if self.cluster.profile:
+                hit += model.program_overhead(_kernels(graph), 0)  # as ``_launches``
+            self._latency_floors[key] = hit
         return hit
 
     def _launches(self, job: _StageJob) -> float:

@@ -46,6 +46,7 @@ from .compose import (
     bound_alignments,
     needs_alignment,
 )
+from .latency_floors import latency_floor_cells
 from .layers import layer_starts_and_eps
 from .memory_screen import screen_memory
 from .micro_batch_search import Dominated
@@ -162,15 +163,30 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     budget = _budget(method, cluster)
     names = _config_names(configs)
     C, B = max(len(c) for c in configs), method.num_micro_batches
-    # Composed stages may stand on bounds of fractional layer MIPs until the DP needs them.
+    # Composed stages may stand on bounds of fractional layer MIPs until the DP needs them,
+    # and (submesh, config) pairs on their latency floors until it picks them.
     model.defer_fractional = so.profiling == "individual"
     try:
-        if model.defer_fractional and math.isfinite(budget):  # composed stages: see the module
+        lazy = None
+        if model.defer_fractional:  # composed stages: see the module
             allowed = _allowed_submeshes(shapes, so.submesh_space)
-            screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
-        entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
-        problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
-        problem, solution = _settled_dp(model, problem, entries, tables, starts, ends, configs)
+            memory = None
+            if math.isfinite(budget):
+                memory = screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
+            cost = np.full((L, L, len(shapes), C), np.inf)
+            succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
+            lazy = latency_floor_cells(model, starts, ends, shapes, configs, allowed, memory,
+                                       cost, succ)  # fmt: skip
+            del memory  # (L x L cells per pair: GBs at Megatron's 1T)
+            problem = StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, succ, B,
+                                   names)  # fmt: skip
+            entries, tables = {}, {}
+        else:
+            entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
+            problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
+        problem, solution = _settled_dp(
+            model, problem, entries, tables, starts, ends, configs, lazy, progress
+        )
     except InfeasibleError as err:
         if not LEAST_MEMORY.get():
             raise MemoryBudgetError(
@@ -217,24 +233,42 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     return chosen
 
 
-def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, configs):
+def _settled_dp(
+    model, problem: StageProblem, entries, tables, starts, ends, configs, lazy=None,
+    progress=None,
+):  # fmt: skip
     """The stage DP's problem and best slicing, with every layer of the chosen stages solved
     exactly. A cell whose layer MIP was deferred holds its LP bound (``StageCost.bound``),
     which can only flatter it; while the DP's best slicing uses such cells, they are solved
     exactly and the DP re-run. Likewise a range holding both readers of a shared parameter
     holds a bound of aligning them (``compose.bound_alignments``) until the DP picks it and
-    ``align_shared`` re-plans them. A slicing of exact cells that is best against bounds is
-    best outright, so the MIPs it never needs are never branched on. (Cells it never used
-    keep their bounds in the returned problem's table.)"""
+    ``align_shared`` re-plans them, and a (submesh, config) pair whose layers were never
+    built holds its latency floors (``latency_floors``; ``lazy``: the pairs that start so)
+    until the DP picks it and its layer table is made. A slicing of exact cells that is best
+    against bounds is best outright, so the ILPs it never needs are never built or branched
+    on. (Cells it never used keep their bounds in the returned problem's table.)"""
     budget = _budget(model.method, model.cluster)
     beat = math.inf if model.method.stage_option.refine else BEAT.get()
     idle = WHILE_SETTLING.get()
+    width = rounds = 0  # submeshes explored beside each picked one (``_explore``)
     while True:
         t_dp = time.perf_counter()
         solution = solve_stages(problem)
         model.stats.dp_seconds += time.perf_counter() - t_dp
         if solution.objective > beat:  # settling only raises the objective
             raise Dominated(solution.objective, beat)
+        if lazy is not None:
+            picked = {(st.submesh_index, st.config_index) for st in solution.stages}
+            if picked - set(tables):
+                # Where the floors walk the DP from submesh to submesh (Megatron's 1T: they
+                # leave out communication, 40% of its time), each round costs a DP over
+                # every submesh and a wait on its last ILPs: two rounds make only what the
+                # DP picked, a third every table left.
+                problem = _explore(model, problem, picked, entries, tables, starts, ends, configs,
+                                   lazy, progress, width)  # fmt: skip
+                width = 0
+                rounds += 1
+                continue
         stale: dict[tuple[int, int], tuple[int, int]] = {}  # (submesh, config) -> shape
         requests = []
         for st in solution.stages if tables else ():
@@ -262,6 +296,35 @@ def _settled_dp(model, problem: StageProblem, entries, tables, starts, ends, con
                 fresh = _table_entries(model, tables[(si, ci)], sub, si, ci, configs, entries)
             _fill_cells(cost, succ, fresh.items(), budget)
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
+
+
+def _explore(model, problem, picked, entries, tables, starts, ends, configs, lazy, progress,
+             width: int = 0):  # fmt: skip
+    """``problem`` with the layer tables made of the submeshes of the unexplored (submesh,
+    config) pairs in ``picked`` and of the ``width`` submeshes on either side of each (by
+    size, among those on floors), for all of each submesh's pairs at once: their floors
+    are alike (the same devices), so the DP would likely pick them next, and their ILPs are
+    solved in parallel (``_StageModel.prefetch``)."""
+    L = len(starts)
+    order = sorted({si for si, _ in lazy})
+    near = {order.index(si) for si, ci in picked if (si, ci) not in tables}
+    subs = {order[k] for i in near for k in range(max(i - width, 0), i + width + 1)
+            if k < len(order)}  # fmt: skip
+    todo = [(si, ci) for si, ci in lazy if si in subs and (si, ci) not in tables]
+    shapes = submesh_shapes(model.cluster.num_hosts, model.cluster.devices_per_host)
+    requests = [(starts[k], ends[k], shapes[si], configs[si][ci]) for si, ci in todo
+                for k in range(L)]  # fmt: skip
+    if progress:
+        progress(f"stage costs: {len(requests)} (layer, mesh) pairs")
+    model.prefetch(requests)
+    cost, succ = problem.cost.copy(), problem.max_succ.copy()
+    budget = _budget(model.method, model.cluster)
+    for si, ci in todo:
+        cost[:, :, si, ci], succ[:, :, si, ci] = np.inf, 0
+        fresh = _config_entries(model, starts, ends, shapes[si], si, ci, configs, entries, tables)
+        _fill_cells(cost, succ, fresh.items(), budget)
+    model.stats.cost_entries += L * (L + 1) // 2 * len(todo)
+    return dataclasses.replace(problem, cost=cost, max_succ=succ)
 
 
 def _meanwhile(work: Callable[[], T], idle: Callable[[], None] | None) -> T:

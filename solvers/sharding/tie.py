@@ -100,31 +100,46 @@ def repeated_groups(problem: ShardingProblem, rounds: int = 4) -> np.ndarray:
     costs, usages and names, reached over the same edge matrices from alike neighbours
     (Weisfeiler-Lehman refinement; lifetimes are left out, as they differ by position). The
     same position in repeated layers ends up in one group; nodes near the ends of a stack,
-    whose surroundings differ, in their own."""
-    n = problem.num_nodes
+    whose surroundings differ, in their own.
+
+    Vectorised: a node's neighbours enter its next colour as a multiset hash, the wrapping
+    sum of one mixed 64-bit hash per (edge matrix, direction, neighbour colour), so alike
+    nodes get equal colours and different ones collide only by a 64-bit hash collision."""
+    n, m = problem.num_nodes, problem.num_edges
     names = problem.strategy_names
-    colour = [
-        hash((problem.costs_of(v).tobytes(), problem.usages_of(v).tobytes(),
-              None if names is None else names[v]))
+    colour = _hashes(
+        (problem.costs_of(v).tobytes(), problem.usages_of(v).tobytes(),
+         None if names is None else names[v])
         for v in range(n)
-    ]  # fmt: skip
-    edge_sig = [hash(problem.edge_matrix(e).tobytes()) for e in range(problem.num_edges)]
-    out_edges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    in_edges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for e, (u, v) in enumerate(problem.edges.tolist()):
-        out_edges[u].append((e, v))
-        in_edges[v].append((e, u))
+    )  # fmt: skip
+    sig = _hashes(problem.edge_matrix(e).tobytes() for e in range(m))
+    src, dst = (problem.edges[:, 0], problem.edges[:, 1]) if m else (np.zeros(0, int),) * 2
+    out_key, in_key = _mix(sig ^ _SALT[0]), _mix(sig ^ _SALT[1])
     for _ in range(rounds):
-        colour = [
-            hash((
-                colour[v],
-                tuple(sorted((edge_sig[e], colour[w]) for e, w in out_edges[v])),
-                tuple(sorted((edge_sig[e], colour[u]) for e, u in in_edges[v])),
-            ))
-            for v in range(n)
-        ]  # fmt: skip
-    _, labels = np.unique(np.array(colour, dtype=np.int64), return_inverse=True)
-    return labels.astype(np.int64)
+        outs, ins = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+        np.add.at(outs, src, _mix(out_key + _mix(colour[dst])))
+        np.add.at(ins, dst, _mix(in_key + _mix(colour[src])))
+        colour = _mix(colour ^ _mix(outs ^ _SALT[2]) ^ _mix(ins ^ _SALT[3]))
+    _, labels = np.unique(colour, return_inverse=True)
+    return labels.reshape(-1).astype(np.int64)
+
+
+#: Constants of splitmix64's finaliser, and salts that keep the hashed roles apart.
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_SALT = tuple(np.uint64(x) for x in (0x9E3779B97F4A7C15, 0x632BE59BD9B4E019,
+                                     0x85EBCA77C2B2AE63, 0xC2B2AE3D27D4EB4F))  # fmt: skip
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping): a well-spread 64-bit hash."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX[0]
+    x = (x ^ (x >> np.uint64(27))) * _MIX[1]
+    return x ^ (x >> np.uint64(31))
+
+
+def _hashes(items) -> np.ndarray:
+    """Python's hash of each item, as uint64."""
+    return np.fromiter((hash(x) for x in items), dtype=np.int64).view(np.uint64)
 
 
 def untie_choice(groups: Sequence[int], group_choice: Sequence[int]) -> np.ndarray:

@@ -15,6 +15,7 @@ from alpa_mini.pipeline import stage_cost
 from alpa_mini.pipeline.micro_batch_search import Dominated
 from alpa_mini.pipeline.stage_search import BEAT
 from alpa_mini.solvers import FractionalRelaxation
+from helpers.floors import explore_every_pair
 from helpers.mlp import plan_marked_mlp
 
 
@@ -36,6 +37,7 @@ def _plan(monkeypatch, bound_share: float | None, **method_options):
         return plan
 
     monkeypatch.setattr(stage_cost, "plan_sharding", fractional)
+    explore_every_pair(monkeypatch)  # every pair's bounds made, the unpicked ones kept
     return plan_marked_mlp(4, **method_options), asked
 
 

@@ -19,6 +19,7 @@ import alpa_mini
 from alpa_mini import ClusterSpec, PipeshardParallel, UniformStageOption
 from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline import compose, stage_search
+from helpers.floors import explore_every_pair
 
 
 def _one_stage_plan(monkeypatch, aligned: bool, profiling: str = "individual"):
@@ -92,6 +93,7 @@ def test_the_stage_dp_ranks_ranges_holding_both_readers_by_a_bound_of_aligning_t
                 gaps.append(sc.latency - bounds[j].latency)
 
     monkeypatch.setattr(stage_search, "bound_alignments", checking)
+    explore_every_pair(monkeypatch)  # every mesh's table made and checked
     loss, params, data = _gpt_case(marks=True)
     opt = sgd(0.1)
     step = make_train_step(loss, opt, alpa_mini.value_and_grad)

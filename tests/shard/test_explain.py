@@ -22,11 +22,8 @@ from alpa_mini.graph.tracing import trace_jaxpr
 from alpa_mini.inspect import Alternative, Explanation
 from alpa_mini.shard import CostModel
 from alpa_mini.shard.plan import ShardingPlan
-from alpa_mini.shard.problem import (
-    MAX_ALTERNATIVES,
-    build_sharding_problem,
-    read_plan,
-)
+from alpa_mini.shard.problem import build_sharding_problem
+from alpa_mini.shard.read_back import MAX_ALTERNATIVES, read_plan
 from alpa_mini.solvers import solve_sharding
 from helpers.mlp import all_reduce, mlp_forward, mlp_inputs, sgd_step
 

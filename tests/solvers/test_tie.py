@@ -81,3 +81,57 @@ def test_repeated_layers_fall_into_groups_and_the_ends_stay_apart() -> None:
     labels = repeated_groups(problem, rounds=2).tolist()
     assert len({labels[2], labels[3], labels[4], labels[5]}) == 1
     assert len(set(labels)) == 5
+
+
+def _reference_groups(problem, rounds: int) -> list[int]:
+    """Weisfeiler-Lehman refinement with exact multisets (sorted tuples of neighbours)."""
+    names = problem.strategy_names
+    colour = [
+        (problem.costs_of(v).tobytes(), problem.usages_of(v).tobytes(),
+         None if names is None else names[v])
+        for v in range(problem.num_nodes)
+    ]  # fmt: skip
+    sig = [problem.edge_matrix(e).tobytes() for e in range(problem.num_edges)]
+    outs = [[] for _ in colour]
+    ins = [[] for _ in colour]
+    for e, (u, v) in enumerate(problem.edges.tolist()):
+        outs[u].append((e, v))
+        ins[v].append((e, u))
+    for _ in range(rounds):
+        colour = [
+            (colour[v], tuple(sorted((sig[e], colour[w]) for e, w in outs[v])),
+             tuple(sorted((sig[e], colour[u]) for e, u in ins[v])))
+            for v in range(len(colour))
+        ]  # fmt: skip
+    index: dict = {}
+    return [index.setdefault(c, len(index)) for c in colour]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repeated_groups_are_exactly_the_alike_nodes(seed: int) -> None:
+    """The hashed refinement groups nodes exactly as the one with exact multisets does, on
+    random chains of repeated blocks with random extra edges and a few odd nodes."""
+    from alpa_mini.solvers.sharding.tie import repeated_groups
+
+    rng = np.random.default_rng(seed)
+    block, copies = int(rng.integers(2, 6)), int(rng.integers(3, 8))
+    kinds = [[float(x) for x in rng.integers(0, 3, 2)] for _ in range(block)]
+    costs = [list(kinds[v % block]) for v in range(block * copies)]
+    for v in rng.choice(len(costs), 2, replace=False):
+        costs[v] = [9.0, 9.0]  # odd nodes
+    matrices = [[[0.0, 1.0], [1.0, 0.0]], [[0.0, 2.0], [3.0, 0.0]]]
+    edges, mats = [], []
+    for v in range(len(costs) - 1):
+        edges.append([v, v + 1])
+        mats.append(matrices[(v % block) % 2])
+        if v + block < len(costs) and v % block == 0:  # a skip edge within each copy
+            edges.append([v, v + block])
+            mats.append(matrices[1])
+    problem = ShardingProblem.from_lists(costs, edges=edges, edge_costs=mats)
+    for rounds in (1, 3, 6):
+        got = repeated_groups(problem, rounds=rounds).tolist()
+        want = _reference_groups(problem, rounds)
+        pairs = {(g, w) for g, w in zip(got, want, strict=True)}
+        assert len(pairs) == len(set(got)) == len(set(want))  # the same partition
+        if rounds == 1:
+            assert len(set(want)) < len(costs)  # something was tied
