@@ -84,6 +84,14 @@ LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "alpa_mini_least_memory", default=True
 )
 
+#: The largest stage table (cost and ``max_succ``: 16 bytes per (range, submesh, config)
+#: cell) that starts on latency floors (``latency_floors``). Each round that builds the
+#: submeshes the DP picked copies the table and re-runs the DP over it; on the largest
+#: tables (megatron-529.6b's 273 MiB, the 1T's 491 MiB) that cost more planning time than
+#: the ILPs it saved (215 -> 231 s, 168 -> 184 s) and 1.1-1.6 GiB more peak memory, so they
+#: build every pair's table at once, as before (megatron-310.1b's 174 MiB: 163 -> 149 s).
+LAZY_TABLE_BYTES = 256 << 20
+
 #: Predicted seconds a plan must beat to be worth finishing: the micro-batch search's fastest
 #: count so far. Without refinement a plan's predicted time is the stage DP's objective, and
 #: the DP over bound cells is a lower bound on it, so the DP stops with ``Dominated`` as soon
@@ -168,20 +176,13 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     model.defer_fractional = so.profiling == "individual"
     try:
         lazy = None
-        if model.defer_fractional:  # composed stages: see the module
-            allowed = _allowed_submeshes(shapes, so.submesh_space)
-            memory = None
-            if math.isfinite(budget):
-                memory = screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
-            cost = np.full((L, L, len(shapes), C), np.inf)
-            succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
-            lazy = latency_floor_cells(model, starts, ends, shapes, configs, allowed, memory,
-                                       cost, succ)  # fmt: skip
-            del memory  # (L x L cells per pair: GBs at Megatron's 1T)
-            problem = StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, succ, B,
-                                   names)  # fmt: skip
+        allowed = _allowed_submeshes(shapes, so.submesh_space)
+        if model.defer_fractional and L * L * len(shapes) * C * 16 <= LAZY_TABLE_BYTES:
+            problem, lazy = _floor_problem(model, starts, ends, shapes, configs, allowed, names)
             entries, tables = {}, {}
         else:
+            if model.defer_fractional and math.isfinite(budget):  # composed stages: the module
+                screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
             entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
             problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
         problem, solution = _settled_dp(
@@ -231,6 +232,24 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         if so.refine:
             _prefetch_refinement(model, chosen, tables, starts, ends, configs)
     return chosen
+
+
+def _floor_problem(model, starts, ends, shapes, configs, allowed, names):
+    """The stage DP's problem with every allowed (submesh, config) pair on its latency floors
+    (``latency_floors``), once the memory screen has passed, and those pairs. (A function of
+    its own, so that its working arrays and the screen's cells, GBs at Megatron's 1T, are
+    freed before the DP runs.)"""
+    L, cluster, budget = len(starts), model.cluster, _budget(model.method, model.cluster)
+    memory = None
+    if math.isfinite(budget):
+        memory = screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
+    C = max(len(c) for c in configs)
+    cost = np.full((L, L, len(shapes), C), np.inf)
+    succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
+    lazy = latency_floor_cells(model, starts, ends, shapes, configs, allowed, memory, cost, succ)
+    del memory
+    B = model.method.num_micro_batches
+    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, succ, B, names), lazy
 
 
 def _settled_dp(
@@ -324,7 +343,7 @@ def _explore(model, problem, picked, entries, tables, starts, ends, configs, laz
         fresh = _config_entries(model, starts, ends, shapes[si], si, ci, configs, entries, tables)
         _fill_cells(cost, succ, fresh.items(), budget)
     model.stats.cost_entries += L * (L + 1) // 2 * len(todo)
-    return dataclasses.replace(problem, cost=cost, max_succ=succ)
+    return dataclasses.replace(problem, cost=cost, max_succ=succ)  # (copied: see the caller)
 
 
 def _meanwhile(work: Callable[[], T], idle: Callable[[], None] | None) -> T:
