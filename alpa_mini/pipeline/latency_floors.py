@@ -5,15 +5,16 @@ Every layer ILP's objective is a sum of node costs (an input's load, an operator
 and collectives) and edge costs (resharding, never negative), so every operator's work split
 over all the submesh's devices, with no communication, is a floor under it and under its LP
 relaxation (``shard.problem.cost_floor``): one pass over the layer's graph per submesh, no
-strategies, edges or solve, the same for every config of the submesh. A composed stage costs its
-layers' latencies, less credits for values handed between them that never exceed what
-their ILPs charged for those values (the floor leaves those out), plus resharding and
+strategies, edges or solve, the same for every config of the submesh. A composed stage
+costs its layers' latencies, less credits for values handed between them that never exceed
+what their ILPs charged for those values (the floor leaves those out), plus resharding and
 shared-parameter costs that are never negative. So a range's floor, the sum of its layers'
 with the stage's program launches, is at most its composed cost, on every range the memory
 screen leaves open. The stage DP over a table whose unexplored pairs hold floors is a lower
 bound on the DP over the real table, and where its best slicing uses explored pairs only,
 that slicing is best outright (``stage_search._settled_dp``): pairs it never picks are
 never built (gpt-1.3b on 4 GPUs: the 1- and 2-device submeshes, whose floors already lose).
+Stage tables larger than ``stage_search.LAZY_TABLE_BYTES`` build every pair at once instead.
 """
 
 from __future__ import annotations
