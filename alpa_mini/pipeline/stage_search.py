@@ -269,7 +269,6 @@ def _settled_dp(
     budget = _budget(model.method, model.cluster)
     beat = math.inf if model.method.stage_option.refine else BEAT.get()
     idle = WHILE_SETTLING.get()
-    width = rounds = 0  # submeshes explored beside each picked one (``_explore``)
     while True:
         t_dp = time.perf_counter()
         solution = solve_stages(problem)
@@ -279,14 +278,10 @@ def _settled_dp(
         if lazy is not None:
             picked = {(st.submesh_index, st.config_index) for st in solution.stages}
             if picked - set(tables):
-                # Where the floors walk the DP from submesh to submesh (Megatron's 1T: they
-                # leave out communication, 40% of its time), each round costs a DP over
-                # every submesh and a wait on its last ILPs: two rounds make only what the
-                # DP picked, a third every table left.
+                # Each round re-runs the DP; where the floors walk it from submesh to submesh
+                # (they leave out communication), ``LAZY_TABLE_BYTES`` bounds its cost.
                 problem = _explore(model, problem, picked, entries, tables, starts, ends, configs,
-                                   lazy, progress, width)  # fmt: skip
-                width = 0
-                rounds += 1
+                                   lazy, progress)  # fmt: skip
                 continue
         stale: dict[tuple[int, int], tuple[int, int]] = {}  # (submesh, config) -> shape
         requests = []
@@ -317,18 +312,13 @@ def _settled_dp(
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
 
 
-def _explore(model, problem, picked, entries, tables, starts, ends, configs, lazy, progress,
-             width: int = 0):  # fmt: skip
+def _explore(model, problem, picked, entries, tables, starts, ends, configs, lazy, progress):
     """``problem`` with the layer tables made of the submeshes of the unexplored (submesh,
-    config) pairs in ``picked`` and of the ``width`` submeshes on either side of each (by
-    size, among those on floors), for all of each submesh's pairs at once: their floors
-    are alike (the same devices), so the DP would likely pick them next, and their ILPs are
-    solved in parallel (``_StageModel.prefetch``)."""
+    config) pairs in ``picked`` (the pairs ``lazy`` holds on floors), for all of each
+    submesh's pairs at once: their floors are alike (the same devices), so the DP would
+    likely pick them next, and their ILPs are solved in parallel (``_StageModel.prefetch``)."""
     L = len(starts)
-    order = sorted({si for si, _ in lazy})
-    near = {order.index(si) for si, ci in picked if (si, ci) not in tables}
-    subs = {order[k] for i in near for k in range(max(i - width, 0), i + width + 1)
-            if k < len(order)}  # fmt: skip
+    subs = {si for si, ci in picked if (si, ci) not in tables}
     todo = [(si, ci) for si, ci in lazy if si in subs and (si, ci) not in tables]
     shapes = submesh_shapes(model.cluster.num_hosts, model.cluster.devices_per_host)
     requests = [(starts[k], ends[k], shapes[si], configs[si][ci]) for si, ci in todo
