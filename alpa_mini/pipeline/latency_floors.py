@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .stage_cost import stage_launches
+
 __all__ = ["latency_floor_cells"]
 
 
@@ -39,8 +41,7 @@ def latency_floor_cells(
             continue
         logical = configs[si][0].shape  # every config of the submesh: the same floors
         floors = np.array([model.latency_floor(starts[k], ends[k], sub, logical) for k in range(L)])
-        launches = model.cost_model(sub, logical).program_overhead(0.0, launches=2)
-        ranges = _range_sums(floors) + launches
+        ranges = _range_sums(floors) + stage_launches(model, sub, logical)
         for ci in range(len(configs[si])):
             if memory is None:
                 fits, succ = np.isfinite(ranges), L - 1

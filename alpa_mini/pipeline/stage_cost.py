@@ -567,7 +567,7 @@ class _StageModel:
         gradient) were sharded over all the submesh's devices, which no layout beats."""
         sl, params = io[0], self._graph(io)[2] / (job.submesh[0] * job.submesh[1])
         return StageCost(
-            latency=seconds + self._launches(job),
+            latency=seconds + self._launches(job.cost, job.graph),
             # Parameters and gradients are all live when the backward ends; the residuals
             # when it starts.
             peak_memory=max(2 * params, job.residual_bytes),
@@ -636,16 +636,14 @@ class _StageModel:
             graph = self._graph(io)[0]
             model = self.cost_model(submesh, logical)
             hit = cost_floor(graph, model, free_inputs=self._handed(io))
-            if self.cluster.profile:
-                hit += model.program_overhead(_kernels(graph), 0)  # as ``_launches``
-            self._latency_floors[key] = hit
+            hit = self._latency_floors[key] = hit + self._launches(model, graph)
         return hit
 
-    def _launches(self, job: _StageJob) -> float:
+    def _launches(self, cost: CostModel, graph: Any) -> float:
         """Seconds the stage's kernels take to launch (0 on a cluster without a profile)."""
         if not self.cluster.profile:
             return 0.0
-        return job.cost.program_overhead(_kernels(job.graph), 0)
+        return cost.program_overhead(_kernels(graph), 0)
 
     def _stage_cost(self, io: tuple[Any, ...], job: _StageJob, plan: ShardingPlan) -> StageCost:
         sl, diff_in, nondiff_in, diff_out, nondiff_out, _ = io
@@ -661,7 +659,7 @@ class _StageModel:
             / self.method.num_micro_batches
         )
         return StageCost(
-            latency=plan.predicted_time + sync + self._launches(job),
+            latency=plan.predicted_time + sync + self._launches(job.cost, job.graph),
             peak_memory=plan.peak_memory,
             residual_bytes=job.residual_bytes,
             state_bytes=job.state,
@@ -779,5 +777,11 @@ def _with_launches(model, sc: StageCost, sub: tuple[int, int], logical) -> Stage
     """``sc`` with the start cost of its two programs per micro-batch (forward, backward):
     once per stage, so it is added to whole stages and compositions, never to the per-layer
     costs a composition sums."""
-    extra = model.cost_model(sub, logical).program_overhead(0.0, launches=2)
+    extra = stage_launches(model, sub, logical)
     return sc if extra == 0 else dataclasses.replace(sc, latency=sc.latency + extra)
+
+
+def stage_launches(model, sub: tuple[int, int], logical) -> float:
+    """Seconds a stage on (``sub``, ``logical``) spends starting its forward and backward
+    programs, per micro-batch (``_with_launches``)."""
+    return model.cost_model(sub, logical).program_overhead(0.0, launches=2)

@@ -44,6 +44,7 @@ from .strategies import (
     input_strategies,
     loop_nest,
     node_strategies,
+    node_work,
     symmetric_axis_pairs,
 )
 
@@ -146,13 +147,8 @@ def cost_floor(graph: OpGraph, cost: CostModel, *, free_inputs: Sequence[int] = 
     as far and loaded (``free_inputs`` not at all, as in ``plan_sharding``'s deferred
     bound). It holds under any input filters, and costs one pass over the nodes."""
     n = cost.mesh.num_devices
-    total = 0.0
-    for node in graph.nodes:
-        outs = node.outputs
-        dtype = graph.tensors[outs[0]].dtype if outs else "float32"
-        work, traffic = node.flops * node.multiplier, node.bytes_accessed * node.multiplier
-        total += cost.compute(work, traffic, dtype, n, node.primitive)
-    load = 1.0 / cost.cluster.intra_host.bandwidth  # as ``_input_strategies`` charges a batch
+    total = sum(cost.compute(*node_work(node, graph), n, node.primitive) for node in graph.nodes)
+    load = _batch_load(cost)
     free = set(free_inputs)
     for i, t in enumerate(graph.inputs):
         if i not in free and graph.tensors[t].role == "batch":
@@ -165,9 +161,7 @@ def _input_strategies(
 ) -> list[tuple[Strategy, ...]]:
     """The layouts each program input may take (a batch pays its host-to-device load)."""
     mesh_shape = cost.mesh.shape
-    # A batch arrives from the host every step: each device receives its own part, priced at
-    # the intra-host link (the host-to-device path). State stays on the devices across steps.
-    load = 1.0 / cost.cluster.intra_host.bandwidth
+    load = _batch_load(cost)
     out = []
     for i, t in enumerate(graph.inputs):
         tensor = graph.tensors[t]
@@ -187,6 +181,13 @@ def _input_strategies(
             )
         out.append(tuple(layouts))
     return out
+
+
+def _batch_load(cost: CostModel) -> float:
+    """Seconds per byte a batch input costs to arrive: it comes from the host every step,
+    each device receiving its own part, priced at the intra-host link (the host-to-device
+    path). State stays on the devices across steps."""
+    return 1.0 / cost.cluster.intra_host.bandwidth
 
 
 def _op_strategies(

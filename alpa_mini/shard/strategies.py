@@ -23,7 +23,14 @@ from .cost_model import CostModel
 from .loop_layouts import LoopNest, Map, candidate_layouts, canonical_order
 from .spec import ShardingSpec, enumerate_specs
 
-__all__ = ["LoopNest", "Strategy", "input_strategies", "loop_nest", "node_strategies"]
+__all__ = [
+    "LoopNest",
+    "Strategy",
+    "input_strategies",
+    "loop_nest",
+    "node_strategies",
+    "node_work",
+]
 
 log = logging.getLogger("alpa_mini.shard.strategies")
 
@@ -545,14 +552,19 @@ _RULES: dict[str, Callable[..., LoopNest]] = {
 
 
 # ---------------------------------------------------------------------------- strategies
+def node_work(node: OpNode, graph: OpGraph) -> tuple[float, float, str]:
+    """(flops, bytes accessed, dtype) of one run of ``node`` per graph run, as its strategies
+    price it: every strategy's compute is this work split over its ``parallel`` devices."""
+    dtype = graph.tensors[node.outputs[0]].dtype if node.outputs else "float32"
+    return node.flops * node.multiplier, node.bytes_accessed * node.multiplier, dtype
+
+
 def node_strategies(node: OpNode, graph: OpGraph, cost: CostModel) -> list[Strategy]:
     """Every valid strategy of ``node`` on the cost model's mesh, with its own costs."""
     mesh_shape = cost.mesh.shape
     nest = loop_nest(node, graph) if node.kind != "opaque" else None
     out_tensors = [graph.tensors[t] for t in node.outputs]
-    dtype = out_tensors[0].dtype if out_tensors else "float32"
-    work = node.flops * node.multiplier
-    traffic = node.bytes_accessed * node.multiplier
+    work, traffic, dtype = node_work(node, graph)
     if nest is None:
         return [_replicated(node, graph, cost, dtype, work, traffic)]
     in_shapes = tuple(None if t is None else graph.tensors[t].shape for t in node.inputs)
