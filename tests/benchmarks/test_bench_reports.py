@@ -325,6 +325,51 @@ def test_default_plans_show_solver_peaks_only_where_each_solver_read_its_own():
     assert "| 4.0 | 0.50 (+0.09 solvers) | 64: 10.00 |" in rows[1]
 
 
+def test_default_plans_compare_with_the_fastest_other_setting_on_the_same_graphs(
+    tmp_path, monkeypatch
+):
+    """*Best other s* is the fastest plan any other setting found on the row's own stage
+    graphs (baselines, tuned runs, Megatron's published configurations), never the defaults'
+    own plan-quality row; a row with only plans on other graphs says so."""
+    import json
+
+    from benchmarks import default_plans
+
+    quality = [
+        {
+            "model": "gpt-x",
+            "graph_model": "new",
+            "our_space": "defaults",
+            "ours": {"time": 9.0},  # the defaults themselves: not another setting
+            "baselines": [
+                {"name": "zero-2", "time": 12.5},
+                {"name": "strong-grid", "time": 10.4},
+                {"name": "data-parallel", "time": float("inf")},  # did not fit
+            ],
+        },
+        {"model": "gpt-y", "graph_model": "old", "baselines": [{"name": "pp-dp", "time": 5.0}]},
+    ]
+    megatron = [
+        {"model": "gpt-x", "graph_model": "new", "theirs": 10.2, "megatron_lm": 11.0,
+         "ours": 9.5, "ours_graph_model": "old", "published": {"dp": 1, "tp": 8, "pp": 1}},
+    ]  # fmt: skip
+    paths = {}
+    for name, rows in (("QUALITY", quality), ("TUNED", []), ("MEGATRON", megatron)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(rows))
+        monkeypatch.setattr(default_plans, name, paths[name])
+    x = dict(DEFAULTS_ROW, graph_model="new")
+    y = dict(DEFAULTS_ROW, model="gpt-y", graph_model="new")
+    lines = default_plans.to_markdown([x, y], "x").splitlines()
+    row: dict[str, str] = {}  # (the defaults table's line, not the Megatron table's after it)
+    for ln in lines:
+        if ln.startswith("| gpt-"):
+            row.setdefault(ln.split(" | ")[0][2:], ln)
+    assert "| 10.00 | 10.20 (megatron published) | 0.980 |" in row["gpt-x"]
+    assert "| 10.00 | – | – (other graphs) |" in row["gpt-y"]
+    assert "1 rows not compared with another setting" in "\n".join(lines)
+
+
 def test_the_defaults_benchmark_child_reads_each_solvers_own_peak(tmp_path):
     """The benchmark's child script, run on a stand-in planner that starts a solver pool of
     two while holding 200 MiB: each solver's peak is its own (well under 200 MiB), where
