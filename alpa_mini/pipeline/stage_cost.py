@@ -501,6 +501,7 @@ class _StageModel:
         with self._lock:
             self.stats.ilps_solved += 1
         t0 = time.perf_counter()
+        several = self.method.num_micro_batches > 1
         try:
             pool = active_pool()
             return plan_sharding(
@@ -521,11 +522,13 @@ class _StageModel:
                 # A deferred layer's bound leaves their load out, which a composed stage
                 # only pays for values from outside it: the bound holds either way.
                 free_inputs=job.handed if defer else (),
-                # With several micro-batches every gradient accumulates all step long.
-                accumulated=job.params
-                if self.method.num_micro_batches > 1 and not self.every_micro_batch
-                else (),
+                # With several micro-batches every gradient accumulates all step long...
+                accumulated=job.params if several and not self.every_micro_batch else (),
                 accumulators_in_ilp=not job.layer,
+                # ...with one, a whole stage holds each as its group's partial until the sync.
+                gradient_partials=[(k, job.first_grad + k) for k in job.params]
+                if not several and not self.every_micro_batch and not job.layer
+                else (),
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"

@@ -2,8 +2,10 @@
 
 Each parameter's gradient is added into an accumulator that lives from the stage's first
 backward to the step's end (``pipeline/lower/partials.py``): with several micro-batches,
-through every later forward too, which is what the ILPs below count (with one, a whole-stage
-ILP counts each gradient from its production, in its reduced layout).
+through every later forward too, which is what the ILPs below count. With one micro-batch
+the accumulator is the gradient itself, from its production on, as its group's partial: a
+whole-stage ILP counts the gradient as an output in its own layout, and the plan's peak
+gains the partial's excess over that (``partial_excess``).
 A parameter read by data-parallel rows keeps its group's *unreduced* partial sum: laid out
 like the parameter less the data-parallel axes (the mesh axes that split the rows), so a
 layout sharded over those axes (ZeRO) still holds a whole copy per group. Other parameters
@@ -50,6 +52,7 @@ __all__ = [
     "fit_accumulators",
     "held_accumulators",
     "paired_dims",
+    "partial_excess",
     "pinned_rows",
     "row_axis_choices",
     "row_inputs",
@@ -154,6 +157,27 @@ def extra_bytes(
         extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
         if counted:
             extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())
+    return extra
+
+
+def partial_excess(
+    plan: ShardingPlan, gradients: Sequence[tuple[int, int]], mesh_shape: Sequence[int]
+) -> float:
+    """What a plan of one micro-batch holds beyond its ILP's count: the runtime keeps each
+    (parameter input, gradient output) pair's gradient as its data-parallel group's
+    unreduced partial until the step's sync, where the ILP counted the gradient in its own
+    output layout (a ZeRO layout's partial is a whole copy per group)."""
+    specs = [plan.tensors[t].spec for t in plan.inputs]
+    dp = data_parallel_axes([specs[i] for i in row_inputs(plan)], mesh_shape)
+    extra = 0.0
+    for i, o in gradients:
+        spec, out = specs[i], plan.output_specs[o]
+        if spec is None or out is None:
+            continue
+        t = plan.tensors[plan.inputs[i]]
+        nbytes = math.prod(t.shape) * _itemsize(t.dtype)
+        partial = accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
+        extra += max(0.0, partial - accumulator_bytes(nbytes, out, mesh_shape, ()))
     return extra
 
 

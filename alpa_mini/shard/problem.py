@@ -34,7 +34,13 @@ from ..solvers import (
 )
 from ..solvers.sharding.problem import FORBIDDEN_COST, evaluate
 from ..solvers.sharding.tie import NotTied, repeated_groups, tie_nodes, untie_choice
-from .accumulators import accumulator_bytes, extra_bytes, fit_accumulators, paired_dims
+from .accumulators import (
+    accumulator_bytes,
+    extra_bytes,
+    fit_accumulators,
+    paired_dims,
+    partial_excess,
+)
 from .cost_model import CostModel
 from .plan import ShardingPlan
 from .read_back import read_plan
@@ -399,6 +405,7 @@ def plan_sharding(
     free_inputs: Sequence[int] = (),
     accumulated: Sequence[int] = (),
     accumulators_in_ilp: bool = True,
+    gradient_partials: Sequence[tuple[int, int]] = (),
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
@@ -414,6 +421,10 @@ def plan_sharding(
     ``accumulated``: parameters whose gradient accumulators stay live all along (several
     micro-batches), priced as ``accumulators`` explains; ``accumulators_in_ilp=False``: only
     added to the plan's peak after the solve (which may then exceed the budget).
+    ``gradient_partials``: (parameter input, gradient output) pairs of a step of one
+    micro-batch, whose gradients the runtime holds as unreduced partials: the plan's peak
+    gains their excess over the gradients' own layouts after the solve (``partial_excess``;
+    it may then exceed the budget).
     """
     once = functools.partial(
         _plan_once,
@@ -434,6 +445,9 @@ def plan_sharding(
     )
     filters = list(input_filters or [None] * len(graph.inputs))
     plan, inst = once(input_filters=filters, dp_axes=None)
+    if gradient_partials:
+        excess = partial_excess(plan, gradient_partials, cost.mesh.shape)
+        plan = dataclasses.replace(plan, peak_memory=plan.peak_memory + excess)
     specs = [plan.tensors[t].spec for t in plan.inputs]
     mesh = cost.mesh.shape
     extra = extra_bytes(plan, specs, accumulated, mesh, accumulators_in_ilp) if accumulated else 0

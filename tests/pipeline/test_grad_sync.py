@@ -265,6 +265,35 @@ def test_accumulators_hold_per_device_what_the_planner_counts(layout):
     assert held == [want] * 3 and want == 4 * 64 * 64 * 4
 
 
+def test_one_micro_batch_plans_count_the_whole_partials_its_backward_returns():
+    """With one micro-batch, ZeRO-3's backward still returns each gradient as its data-parallel
+    group's unreduced partial, a whole gradient per device (8x the parameter's shard), held
+    until the sync; the planned peak counts that, where it used to count the gradient in the
+    parameter's layout (63,497 bytes planned against 65,536 of partials alone)."""
+    from alpa_mini.models import sgd
+
+    params, batch = marked_mlp_args(4, 64, 128)
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    args = (params, opt.init(params), batch)
+    ex = alpa_mini.parallelize(step, method=_method(1, layout="zero3")).get_executable(*args)
+    program, held = ex.runtime.programs["bwd0.0"], []
+
+    def recorded(*a):
+        outs = program(*a)
+        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-4:]))
+        return outs
+
+    ex.runtime.programs["bwd0.0"] = recorded
+    ex(*args)
+    whole = 4 * 64 * 64 * 4  # four f32 64x64 gradients, each whole on every device
+    assert held == [whole]
+    shards = whole // 8  # the parameters themselves, ZeRO-3 sharded
+    assert ex.plan.stages[0].peak_memory >= whole + shards
+
+
 def test_expert_parallel_weights_accumulate_in_their_own_layout():
     """DeepSpeed's expert parallelism on 8 devices (batch and experts both split over the
     one axis): each device computes its own experts' weight gradients, so the runtime keeps

@@ -116,6 +116,22 @@ def test_a_composed_layers_accumulators_are_added_after_the_solve(case) -> None:
     assert after.peak_memory == plain.peak_memory + accumulator_bytes(4 * MiB, w.spec, (2,), dp)
 
 
+def test_one_micro_batch_adds_the_partials_excess_over_the_gradients_layout(case) -> None:
+    """``gradient_partials`` (one micro-batch): the same plan, its peak raised by what the
+    weight gradient's partial (whole per data-parallel group) holds beyond the gradient's own
+    layout, which the ILP counted."""
+    graph, cost = case
+    plain = plan_sharding(graph, cost, ("x",), memory_budget=46 * MiB)
+    one = plan_sharding(graph, cost, ("x",), memory_budget=46 * MiB, gradient_partials=[(0, 0)])
+    assert [t.spec for t in one.tensors] == [t.spec for t in plain.tensors]
+    w, x = (one.tensors[t] for t in one.inputs)
+    dp = data_parallel_axes([x.spec], (2,))
+    partial = accumulator_bytes(4 * MiB, w.spec, (2,), dp)
+    own = accumulator_bytes(4 * MiB, one.output_specs[0], (2,), ())
+    assert dp == (0,) and partial == 4 * MiB  # the rows split: a whole partial
+    assert one.peak_memory == plain.peak_memory + max(0.0, partial - own)
+
+
 def test_a_deferred_solve_whose_relaxed_plan_does_not_fit_raises_a_bound(case) -> None:
     """Where bounds are asked for (``defer_fractional``), a relaxed plan that does not fit
     with its accumulators gives its optimum as the bound, which the exact plan never beats."""
