@@ -632,6 +632,8 @@ def _least_pipeline_memory(
     (each such plan stays feasible at any budget above its memory, so this budget fits)."""
     unlimited = dataclasses.replace(method, memory_budget=math.inf)
     free_model = _StageModel(forward, capture, cluster, unlimited, state_total, param_total)
+    if method.stage_option.profiling == "individual":  # its layers priced as plan_pipeline's
+        free_model.composed_layers = frozenset(zip(starts, ends, strict=True))
     option = method.stage_option
     entries, _ = _cost_entries(free_model, starts, ends, shapes, configs, option, None)
     L, C = len(starts), max(len(c) for c in configs)
