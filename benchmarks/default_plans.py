@@ -79,6 +79,7 @@ def row(model: str) -> dict[str, Any]:
     from alpa_mini.graph.planning_stats import PlanningStats
     from alpa_mini.models.specs import ModelSpec
     from alpa_mini.pipeline.plan import PipeshardPlan
+    from benchmarks.baselines import evaluate_plan
 
     spec = ModelSpec.load_any(model)
     spec = dataclasses.replace(spec, gpus=spec.gpus or EXTRA_ROWS[model])
@@ -120,11 +121,16 @@ def row(model: str) -> dict[str, Any]:
             return {**result, "error": " ".join(tail)[:400]}
         plan = PipeshardPlan.from_json(out.read_text())
     planning = plan.planning or PlanningStats()
+    simulated, _, overflow = evaluate_plan(plan, cluster)
     return {
         **result,
         "micro_batches": plan.num_micro_batches,
         "stages": plan.num_stages,
         "predicted_s": plan.predicted_time,
+        # As the plan-quality and Megatron tables time every plan (transfers between stages
+        # on the links); inf where the schedule's micro-batches in flight overflow a device.
+        "simulated_s": simulated,
+        "simulated_overflow": overflow,
         "planning_s": planning.total_seconds,
         "tried": [list(t) for t in planning.micro_batches_tried],
         "dominated": [list(t) for t in planning.micro_batches_dominated],
@@ -165,12 +171,15 @@ def other_settings() -> dict[str, list[tuple[float, str, str | None]]]:
 
 def best_other(row: dict[str, Any], found: list[tuple[float, str, str | None]]) -> str:
     """The table's *best other* and *ratio* cells of a defaults row: the fastest plan another
-    setting found on the row's own stage graphs, and defaults / that (target 1.02)."""
+    setting found on the row's own stage graphs, and defaults / that (target 1.02), both
+    timed by the pipeline simulator (rows run before it was read say so)."""
     same = [f for f in found if f[2] == row.get("graph_model")]
     if not same:
         return "– | – (other graphs)" if found else "– | –"
     seconds, label, _ = min(same)
-    return f"{seconds:.2f} ({label}) | {row['predicted_s'] / seconds:.3f}"
+    ours = row.get("simulated_s")
+    ratio = "– (not simulated)" if ours is None else f"{ours / seconds:.3f}"
+    return f"{seconds:.2f} ({label}) | {ratio}"
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
@@ -192,7 +201,8 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         "count, the ILP free inside each stage, so stronger than Megatron-LM's own layouts; "
         "target ≤ 1.00):",
         "",
-        "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults s | defaults / Megatron "
+        "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults simulated s "
+        "| defaults / Megatron "
         "| accumulators (Megatron, defaults) |",
         "|---|---:|---|---:|---:|---:|---|",
     ]
@@ -200,22 +210,33 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         t = theirs[r["model"]]
         pub = t["published"]
-        ratio = r["predicted_s"] / t["theirs"]
-        if same_graphs(r, t):
-            ratios.append(ratio)
-        said = f"{ratio:.3f}" if same_graphs(r, t) else "– (other graphs)"
+        ours = r.get("simulated_s")
+        if not same_graphs(r, t):
+            said = "– (other graphs)"
+        elif ours is None:
+            said = "– (not simulated)"
+        else:
+            ratios.append(ours / t["theirs"])
+            said = f"{ratios[-1]:.3f}"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {pub['dp']}/{pub['tp']}/{pub['pp']} | "
-            f"{t['theirs']:.2f} | {r['predicted_s']:.2f} | {said} | "
+            f"{t['theirs']:.2f} | {'–' if ours is None else f'{ours:.2f}'} | {said} | "
             f"{_counted(t)}, {_counted(r)} |"
         )
     if len(ratios) < len(rows):
-        lines += ["", f"{len(rows) - len(ratios)} rows not compared: {GRAPHS_NOTE}"]
+        lines += ["", f"{len(rows) - len(ratios)} rows not compared: {GRAPHS_NOTE} {SIM_NOTE}"]
     if ratios:
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         lines += ["", f"Geometric mean {geo:.3f} over {len(ratios)} rows; worst {max(ratios):.3f}."]
     return lines
 
+
+#: Why a ratio is left out: the defaults' plan was not timed by the simulator.
+SIM_NOTE = (
+    "Rows run before 2026-11-29 (the nineteenth sitting) kept only the planner's own "
+    "predicted time, which leaves out the transfers between stages the simulator times on "
+    "every other setting's plan."
+)
 
 #: Why a ratio is left out: the two sides were priced on different stage graphs.
 GRAPHS_NOTE = (
@@ -223,6 +244,14 @@ GRAPHS_NOTE = (
     "more per GPT or MoE stage: `_report.GRAPH_MODEL`), the other without; such seconds are "
     "not compared until that side is re-run."
 )
+
+
+def _simulated(r: dict[str, Any]) -> str:
+    """A row's simulated seconds, "over memory" where its in-flight micro-batches overflow."""
+    seconds = r.get("simulated_s")
+    if seconds is None:
+        return "–"
+    return "over memory" if math.isinf(seconds) else f"{seconds:.2f}"
 
 
 def _counted(r: dict[str, Any]) -> str:
@@ -254,23 +283,27 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         "its ILP solver processes (one per core) added up, each its own VmHWM read just before "
         "the pool stops it (from 2026-11-28, afternoon; rows before read RUSAGE_CHILDREN, "
         "which counted the planner's RSS when each solver was started, and are not shown). "
+        "*Predicted s/iter*: the planner's own (its stage DP's objective); *simulated s*: the "
+        "plan timed by the pipeline simulator, with the transfers between stages on the links, "
+        "as every other setting's plan is timed (from 2026-11-29, the nineteenth sitting). "
         "*Best other s*: the fastest plan any other setting found for the row on the same "
         "stage graphs, and which: the plan-quality table's baselines (data parallel, ZeRO-2/3, "
         "PP-DP, the strong grid, the family's faithful baseline), our tuned runs (refine, "
         "20 s ILPs) and the Megatron table's published configurations (`benchmarks/results`; "
-        "run apart from this table, on the same cost model); *ratio*: defaults / best other "
+        "run apart from this table, on the same cost model and simulator); *ratio*: simulated "
+        "defaults / best other "
         "(target 1.02). Planning targets (issue 23): "
         + ", ".join(f"{m} {t:.0f} s" for m, t in TARGETS.items())
         + ", 4 GiB of RSS everywhere.",
         "",
-        "| model | GPUs | B | stages | act. | predicted s/iter | best other s | ratio | planning s "
-        "| peak RSS GiB | B planned | sync | acc. | run beside |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "| model | GPUs | B | stages | act. | predicted s/iter | simulated s | best other s "
+        "| ratio | planning s | peak RSS GiB | B planned | sync | acc. | run beside |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
-    unlike = 0
+    unlike = unsimulated = 0
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 11 + f" {r['error']} |")
+            lines.append(f"| {r['model']} | {r['gpus']} |" + " – |" * 12 + f" {r['error']} |")
             continue
         said = {b: "no fit" if t is None else f"{t:.2f}" for b, t in r["tried"]}
         said |= {b: f">{t:.2f}" for b, t in r.get("dominated", [])}
@@ -281,15 +314,18 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             rss += f" (+{r['solvers_rss_gib']:.2f} solvers)"
         best = best_other(r, others.get(r["model"], []))
         unlike += best.endswith("(other graphs)")
+        unsimulated += best.endswith("(not simulated)")
         act = "recomp." if r.get("recomputed") else "stored"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {r['micro_batches']} | {r['stages']} | {act} | "
-            f"{r['predicted_s']:.2f} | {best} | "
+            f"{r['predicted_s']:.2f} | {_simulated(r)} | {best} | "
             f"{r['planning_s']:.1f} | {rss} | {tried} | {r.get('sync', 'after')} | "
             f"{_counted(r)} | {r.get('beside') or 'alone'} |"
         )
     if unlike:
         lines += ["", f"{unlike} rows not compared with another setting: {GRAPHS_NOTE}"]
+    if unsimulated:
+        lines += ["", f"{unsimulated} rows not compared with another setting: {SIM_NOTE}"]
     return "\n".join(lines + published_lines(results))
 
 

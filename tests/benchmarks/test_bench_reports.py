@@ -358,15 +358,20 @@ def test_default_plans_compare_with_the_fastest_other_setting_on_the_same_graphs
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(rows))
         monkeypatch.setattr(default_plans, name, paths[name])
-    x = dict(DEFAULTS_ROW, graph_model="new")
-    y = dict(DEFAULTS_ROW, model="gpt-y", graph_model="new")
-    lines = default_plans.to_markdown([x, y], "x").splitlines()
+    x = dict(DEFAULTS_ROW, graph_model="new", simulated_s=10.2 * 0.98)
+    y = dict(DEFAULTS_ROW, model="gpt-y", graph_model="new", simulated_s=10.0)
+    z = dict(DEFAULTS_ROW, model="gpt-z", graph_model="new")  # run before it was simulated
+    quality.append(dict(quality[0], model="gpt-z"))
+    paths["QUALITY"].write_text(json.dumps(quality))
+    lines = default_plans.to_markdown([x, y, z], "x").splitlines()
     row: dict[str, str] = {}  # (the defaults table's line, not the Megatron table's after it)
     for ln in lines:
         if ln.startswith("| gpt-"):
             row.setdefault(ln.split(" | ")[0][2:], ln)
-    assert "| 10.00 | 10.20 (megatron published) | 0.980 |" in row["gpt-x"]
-    assert "| 10.00 | – | – (other graphs) |" in row["gpt-y"]
+    # Both sides as the simulator times them (the planner's own 10.00 s left out).
+    assert "| 10.00 | 10.00 | 10.20 (megatron published) | 0.980 |" in row["gpt-x"]
+    assert "| 10.00 | 10.00 | – | – (other graphs) |" in row["gpt-y"]
+    assert "| 10.00 | – | 10.40 (strong-grid) | – (not simulated) |" in row["gpt-z"]
     assert "1 rows not compared with another setting" in "\n".join(lines)
 
 
