@@ -226,17 +226,30 @@ def test_fused_programs_move_the_same_gradient_bytes():
             assert len(runs) < len(plain_runs)
 
 
-def _held_accumulator_bytes(ex, args) -> list[int]:
-    """One step of ``ex``: per run of stage 0's backward, the bytes on device 0 of the
-    accumulators it returns (its last outputs)."""
-    num_accs, program, held = len(ex.compiled.accumulators[0]), ex.runtime.programs["bwd0"], []
+def _mlp_executable(B: int, layout: str):
+    """The four-layer MLP's SGD step on 8 CPU devices as one stage, and its arguments."""
+    from alpa_mini.models import sgd
+
+    params, batch = marked_mlp_args(4, 64, 128)
+    alpa_mini.shutdown()
+    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
+    opt = sgd(0.1)
+    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
+    args = (params, opt.init(params), batch)
+    return alpa_mini.parallelize(step, method=_method(B, layout=layout)).get_executable(*args), args
+
+
+def _held_accumulator_bytes(ex, args, program: str = "bwd0") -> list[int]:
+    """One step of ``ex``: per run of stage 0's backward ``program``, the bytes on device 0
+    of the accumulators it returns (its last outputs)."""
+    num_accs, run, held = len(ex.compiled.accumulators[0]), ex.runtime.programs[program], []
 
     def recorded(*a):
-        outs = program(*a)
+        outs = run(*a)
         held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-num_accs:]))
         return outs
 
-    ex.runtime.programs["bwd0"] = recorded
+    ex.runtime.programs[program] = recorded
     ex(*args)
     return held
 
@@ -246,17 +259,10 @@ def test_accumulators_hold_per_device_what_the_planner_counts(layout):
     """Each of the later backwards returns the stage's accumulators. ZeRO-3 shards the
     parameters over the 8 devices, but a data-parallel group's unreduced partial is still a
     whole gradient per device: what ``shard.accumulators`` prices (and 8x the parameter)."""
-    from alpa_mini.models import sgd
     from alpa_mini.shard.accumulators import accumulator_bytes
     from alpa_mini.shard.spec import ShardingSpec
 
-    params, batch = marked_mlp_args(4, 64, 128)
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    opt = sgd(0.1)
-    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
-    args = (params, opt.init(params), batch)
-    ex = alpa_mini.parallelize(step, method=_method(4, layout=layout)).get_executable(*args)
+    ex, args = _mlp_executable(4, layout)
     held = _held_accumulator_bytes(ex, args)
     # The parameters' layout: split over the one mesh axis (ZeRO-3) or replicated, the rows
     # split over it either way.
@@ -270,24 +276,8 @@ def test_one_micro_batch_plans_count_the_whole_partials_its_backward_returns():
     group's unreduced partial, a whole gradient per device (8x the parameter's shard), held
     until the sync; the planned peak counts that, where it used to count the gradient in the
     parameter's layout (63,497 bytes planned against 65,536 of partials alone)."""
-    from alpa_mini.models import sgd
-
-    params, batch = marked_mlp_args(4, 64, 128)
-    alpa_mini.shutdown()
-    alpa_mini.init(cluster=ClusterSpec.named("cpu-1x8"))
-    opt = sgd(0.1)
-    step = make_train_step(marked_mlp_loss, opt, alpa_mini.value_and_grad)
-    args = (params, opt.init(params), batch)
-    ex = alpa_mini.parallelize(step, method=_method(1, layout="zero3")).get_executable(*args)
-    program, held = ex.runtime.programs["bwd0.0"], []
-
-    def recorded(*a):
-        outs = program(*a)
-        held.append(sum(x.addressable_shards[0].data.nbytes for x in outs[-4:]))
-        return outs
-
-    ex.runtime.programs["bwd0.0"] = recorded
-    ex(*args)
+    ex, args = _mlp_executable(1, "zero3")
+    held = _held_accumulator_bytes(ex, args, "bwd0.0")  # (with one micro-batch, the only one)
     whole = 4 * 64 * 64 * 4  # four f32 64x64 gradients, each whole on every device
     assert held == [whole]
     shards = whole // 8  # the parameters themselves, ZeRO-3 sharded
