@@ -140,7 +140,7 @@ def row(model: str) -> dict[str, Any]:
 
 def other_settings() -> dict[str, list[tuple[float, str, str | None]]]:
     """Per row, every plan another setting found for it in this project's benchmark runs,
-    as (predicted s/iter, what found it, the stage graphs it was priced on:
+    as (simulated s/iter, what found it, the stage graphs it was priced on:
     ``_report.GRAPH_MODEL``): the plan-quality table's baselines (data parallel, ZeRO, PP-DP,
     the strong grid, the family's faithful baseline), our tuned runs (refine, (dp, tp)
     meshes, ZeRO-3 layers, 20 s ILPs, a few micro-batch counts), and the Megatron table's
@@ -178,7 +178,10 @@ def best_other(row: dict[str, Any], found: list[tuple[float, str, str | None]]) 
         return "– | – (other graphs)" if found else "– | –"
     seconds, label, _ = min(same)
     ours = row.get("simulated_s")
-    ratio = "– (not simulated)" if ours is None else f"{ours / seconds:.3f}"
+    if ours is None:
+        ratio = "– (not simulated)"
+    else:
+        ratio = f"{ours / seconds:.3f}" if math.isfinite(ours) else "– (over memory)"
     return f"{seconds:.2f} ({label}) | {ratio}"
 
 
