@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,6 +136,24 @@ def paired_dims(graph: OpGraph) -> dict[int, tuple[int, ...]]:
     return out
 
 
+def _partials(
+    plan: ShardingPlan,
+    specs: Sequence[ShardingSpec | None],
+    inputs: Sequence[int],
+    mesh_shape: Sequence[int],
+) -> Iterator[tuple[int, float, float]]:
+    """Per input of ``inputs`` that takes a layout in ``specs``: (its position, its bytes,
+    its accumulator's bytes per device with the plan's own data-parallel axes)."""
+    dp = data_parallel_axes([specs[i] for i in row_inputs(plan)], mesh_shape)
+    for i in inputs:
+        spec = specs[i]
+        if spec is None:
+            continue
+        t = plan.tensors[plan.inputs[i]]
+        nbytes = math.prod(t.shape) * _itemsize(t.dtype)
+        yield i, nbytes, accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
+
+
 def extra_bytes(
     plan: ShardingPlan,
     specs: Sequence[ShardingSpec | None],
@@ -146,17 +164,11 @@ def extra_bytes(
     """What a plan whose inputs take ``specs`` holds beyond its ILP's count: each accumulated
     input's accumulator with the plan's own data-parallel axes, less (``counted``) the same
     in the parameter's layout, which the ILP counted."""
-    dp = data_parallel_axes([specs[i] for i in row_inputs(plan)], mesh_shape)
     extra = 0.0
-    for i in accumulated:
-        spec = specs[i]
-        if spec is None:
-            continue
-        t = plan.tensors[plan.inputs[i]]
-        nbytes = math.prod(t.shape) * _itemsize(t.dtype)
-        extra += accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
+    for i, nbytes, partial in _partials(plan, specs, accumulated, mesh_shape):
+        extra += partial
         if counted:
-            extra -= accumulator_bytes(nbytes, spec, mesh_shape, ())
+            extra -= accumulator_bytes(nbytes, specs[i], mesh_shape, ())
     return extra
 
 
@@ -168,16 +180,12 @@ def partial_excess(
     unreduced partial until the step's sync, where the ILP counted the gradient in its own
     output layout (a ZeRO layout's partial is a whole copy per group)."""
     specs = [plan.tensors[t].spec for t in plan.inputs]
-    dp = data_parallel_axes([specs[i] for i in row_inputs(plan)], mesh_shape)
+    output = dict(gradients)
     extra = 0.0
-    for i, o in gradients:
-        spec, out = specs[i], plan.output_specs[o]
-        if spec is None or out is None:
-            continue
-        t = plan.tensors[plan.inputs[i]]
-        nbytes = math.prod(t.shape) * _itemsize(t.dtype)
-        partial = accumulator_bytes(nbytes, spec, mesh_shape, dp, t.paired_dims)
-        extra += max(0.0, partial - accumulator_bytes(nbytes, out, mesh_shape, ()))
+    for i, nbytes, partial in _partials(plan, specs, list(output), mesh_shape):
+        out = plan.output_specs[output[i]]
+        if out is not None:
+            extra += max(0.0, partial - accumulator_bytes(nbytes, out, mesh_shape, ()))
     return extra
 
 
