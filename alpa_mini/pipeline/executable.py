@@ -39,6 +39,7 @@ from .plan import PipeshardPlan, ScanSplit
 from .plan_check import check_plan
 from .refine import refine_stages
 from .schedules import make_schedule
+from .simulate import simulate_plan
 from .stacked_rows import join_rows, take_rows, union_sharding
 from .stage_cost import shared_cost_models
 from .stage_search import BEAT, LEAST_MEMORY, WHILE_SETTLING, plan_pipeline
@@ -326,7 +327,7 @@ def _searched(
     # that count: the trace is made before the planning that finds so).
     first: list[TracedStep] = []
 
-    candidates = micro_batch_candidates(max(rows, 1))
+    candidates = micro_batch_candidates(max(rows, 1), cluster.num_devices)
     # Counts traced ahead, while an earlier count's settling left the planner's core idle.
     ahead: dict[int, TracedStep | Exception] = {}
     planned: set[int] = set()
@@ -402,10 +403,16 @@ _SEARCHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def _ranked_time(plan: PipeshardPlan, method: PipeshardParallel) -> float:
     """The time the micro-batch search ranks a count by: its stage DP's objective, which is
     what counts stopped at their bound are compared with, unless the chosen stages were
-    refined whole (which only lowers the plan's predicted time)."""
+    refined whole (which only lowers the plan's predicted time); for several stages, the
+    larger of that and the simulated time, which adds the transfers between stages (the
+    simulator may also overlap the last stages' tail of work the objective counts, so the
+    larger keeps a count's DP bound below its time)."""
     refined = getattr(method.stage_option, "refine", False)
     solution = plan.stage_solution
-    return plan.predicted_time if refined or solution is None else solution.objective
+    own = plan.predicted_time if refined or solution is None else solution.objective
+    if len(plan.stages) > 1 and plan.cluster_spec is not None:
+        return max(own, simulate_plan(plan, plan.cluster_spec).iteration_time)
+    return own
 
 
 def _least_memory_error(err: MemoryBudgetError, plan_largest: Callable[[], Any]) -> Exception:

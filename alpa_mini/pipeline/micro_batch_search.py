@@ -1,8 +1,11 @@
 """The micro-batch count B, searched when ``PipeshardParallel(num_micro_batches=None)``.
 
 Candidates form a geometric ladder of the batch's divisors: for each power of two up to the
-batch, the divisor nearest to it (the powers of two themselves when they divide it, and e.g.
-38, 76, 152 for a batch of 1520). Two facts make a bisection
+batch, a divisor near it (the powers of two themselves when they divide it, and e.g. 38, 76,
+152 for a batch of 1520), preferring one whose micro-batches split over many of the
+cluster's devices (56 rather than 64 for a batch of 1792 on 1024 GPUs). Each count is
+ranked by its plan's predicted time, simulated with the transfers between its stages where
+it has several (``executable._ranked_time``). Two facts make a bisection
 enough: memory only falls as B grows (smaller micro-batches hold fewer activations), so the
 counts that fit are a suffix; and the predicted iteration time over them first falls (a
 smaller pipeline bubble, (S - 1) / B of the step) and then rises (micro-batches too small to
@@ -38,19 +41,34 @@ __all__ = ["micro_batch_candidates", "search_micro_batches"]
 T = TypeVar("T")
 
 
-def micro_batch_candidates(rows: int) -> list[int]:
-    """Per power of two ``2**k <= rows``, the divisor of ``rows`` nearest to it on a log
-    scale (the smaller on a tie), ascending without repeats: about log2(rows) counts spaced
-    about 2x apart, so a batch that is not a power of two still gets counts near each."""
+def micro_batch_candidates(rows: int, devices: int = 1) -> list[int]:
+    """Per power of two ``2**k <= rows``, a divisor B of ``rows`` near it, ascending without
+    repeats: about log2(rows) counts spaced about 2x apart, so a batch that is not a power
+    of two still gets counts near each. Among the divisors within half an octave of ``2**k``
+    the one whose micro-batch of ``rows / B`` rows splits over the most of ``devices`` (the
+    largest gcd(rows / B, devices): a data-parallel degree must divide the micro-batch), then
+    the nearest on a log scale, then the smaller; where none is that close, the nearest.
+    (A batch of 1792 on 1024 GPUs gets 56, 28 rows each, not 64, 28 rows: data parallelism
+    of 32 fits 56's micro-batches, at most 4 fits 64's.)"""
     if rows < 1:
         raise ConfigError(f"batch: {rows} rows; a searched micro-batch count needs >= 1")
+    if devices < 1:
+        raise ConfigError(f"devices: {devices} is invalid; expected >= 1")
     small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
     divisors = sorted({*small, *(rows // d for d in small)})
     out: list[int] = []
     for k in range(rows.bit_length()):
-        near = min(divisors, key=lambda d, k=k: (abs(math.log2(d) - k), d))
-        if near not in out:
-            out.append(near)
+        close = [d for d in divisors if abs(math.log2(d) - k) <= 0.5]
+        pick = min(
+            close or divisors,
+            key=lambda d, k=k: (
+                -math.gcd(rows // d, devices) if close else 0,
+                abs(math.log2(d) - k),
+                d,
+            ),
+        )
+        if pick not in out:
+            out.append(pick)
     return sorted(out)
 
 

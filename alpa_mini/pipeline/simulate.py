@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from ..cluster.spec import ClusterSpec
     from .plan import PipeshardPlan
 
-__all__ = ["Simulation", "StageTiming", "TaskSpan", "simulate", "simulate_plan", "stage_timings"]
+__all__ = [
+    "Simulation",
+    "StageTiming",
+    "TaskSpan",
+    "chain_timings",
+    "simulate",
+    "simulate_plan",
+    "stage_timings",
+]
 
 #: Backward seconds per forward second when a plan gives one latency per stage (the
 #: backward of a matmul is two matmuls of the forward's size).
@@ -134,31 +142,52 @@ def stage_timings(
     """Per-stage timings of a plan: its predicted latency split into forward and backward
     (1 : ``backward_ratio``), and each boundary's activation bytes over the link between
     the two meshes (inside one host: the intra-host link; else the inter-host one)."""
+    per_host = cluster.devices_per_host
+    return chain_timings(
+        [st.latency for st in plan.stages],
+        [st.out_bytes if transfers else 0.0 for st in plan.stages],
+        [frozenset(d // per_host for d in st.devices) for st in plan.stages],
+        cluster,
+        backward_ratio=backward_ratio,
+        memory=[(st.peak_memory, st.residual_bytes) for st in plan.stages],
+    )
+
+
+def chain_timings(
+    latencies: Sequence[float],
+    out_bytes: Sequence[float],
+    hosts: Sequence[frozenset[int]],
+    cluster: ClusterSpec,
+    *,
+    backward_ratio: float = BACKWARD_RATIO,
+    memory: Sequence[tuple[float, float]] | None = None,
+) -> list[StageTiming]:
+    """Timings of a chain of stages given each one's latency per micro-batch, the bytes it
+    sends on, the hosts its devices are on and (optionally) its (memory, residual) bytes."""
     if not backward_ratio > 0:
         raise ValueError(f"backward_ratio: {backward_ratio!r} is invalid; expected > 0")
-    per_host = cluster.devices_per_host
-    hosts = [frozenset(d // per_host for d in st.devices) for st in plan.stages]
+    n = len(latencies)
+
+    def link_time(s: int, other: int, nbytes: float) -> float:
+        if nbytes <= 0 or not 0 <= other < n:
+            return 0.0
+        same = len(hosts[s]) == 1 and hosts[s] == hosts[other]
+        link = cluster.intra_host if same else cluster.inter_host
+        return link.alpha + nbytes * link.beta
+
     timings = []
-    for s, st in enumerate(plan.stages):
-        fwd = st.latency / (1.0 + backward_ratio)
-
-        def link_time(other: int, nbytes: float, s: int = s) -> float:
-            if not transfers or nbytes <= 0 or not 0 <= other < len(plan.stages):
-                return 0.0
-            same = len(hosts[s]) == 1 and hosts[s] == hosts[other]
-            link = cluster.intra_host if same else cluster.inter_host
-            return link.alpha + nbytes * link.beta
-
-        prev_bytes = plan.stages[s - 1].out_bytes if s > 0 else 0.0
+    for s, latency in enumerate(latencies):
+        fwd = latency / (1.0 + backward_ratio)
+        mem, residual = memory[s] if memory is not None else (0.0, 0.0)
         timings.append(
             StageTiming(
                 forward=fwd,
-                backward=st.latency - fwd,
-                send_forward=link_time(s + 1, st.out_bytes),
+                backward=latency - fwd,
+                send_forward=link_time(s, s + 1, out_bytes[s]),
                 # the cotangents of this stage's inputs are the size of what it received
-                send_backward=link_time(s - 1, prev_bytes),
-                memory=st.peak_memory,
-                residual=st.residual_bytes,
+                send_backward=link_time(s, s - 1, out_bytes[s - 1] if s > 0 else 0.0),
+                memory=mem,
+                residual=residual,
             )
         )
     return timings

@@ -64,8 +64,13 @@ def _config_names(configs: Sequence[Sequence[StageConfig]]) -> tuple[str, ...]:
 
 
 def _allowed_submeshes(shapes, space: str) -> list[bool]:
-    """Which submesh shapes the search uses: all, those with a power-of-two host count, or
-    those inside one host."""
+    """Which submesh shapes the search uses: all, those with a power-of-two host count (and,
+    for "divisors", every host count that divides the cluster's), or those inside one
+    host."""
     if space == "one_host":
         return [h == 1 for h, _ in shapes]
-    return [space == "all" or (h & (h - 1)) == 0 for h, _ in shapes]
+    hosts = max(h for h, _ in shapes)
+    return [
+        space == "all" or (h & (h - 1)) == 0 or (space == "divisors" and hosts % h == 0)
+        for h, _ in shapes
+    ]

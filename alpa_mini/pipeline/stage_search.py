@@ -55,6 +55,7 @@ from .plan import PipeshardPlan, StagePlan
 from .stage_configs import StageConfig, _allowed_submeshes, _config_names, stage_configs
 from .stage_cost import StageCost, _budget, _StageModel, _with_launches
 from .stage_slice import slice_stage
+from .stage_transfers import CutBytes, charged, simulated_seconds, transfer_charges, uncharged
 
 __all__ = ["plan_pipeline"]
 
@@ -188,6 +189,10 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
         problem, solution = _settled_dp(
             model, problem, entries, tables, starts, ends, configs, lazy, progress
         )
+        if solution.num_stages > 1:
+            problem, solution = _transfer_aware(
+                model, problem, solution, entries, tables, starts, ends, configs, lazy, progress
+            )
     except InfeasibleError as err:
         if not LEAST_MEMORY.get():
             raise MemoryBudgetError(
@@ -254,7 +259,7 @@ def _floor_problem(model, starts, ends, shapes, configs, allowed, names):
 
 def _settled_dp(
     model, problem: StageProblem, entries, tables, starts, ends, configs, lazy=None,
-    progress=None,
+    progress=None, charge: np.ndarray | None = None,
 ):  # fmt: skip
     """The stage DP's problem and best slicing, with every layer of the chosen stages solved
     exactly. A cell whose layer MIP was deferred holds its LP bound (``StageCost.bound``),
@@ -265,13 +270,18 @@ def _settled_dp(
     built holds its latency floors (``latency_floors``; ``lazy``: the pairs that start so)
     until the DP picks it and its layer table is made. A slicing of exact cells that is best
     against bounds is best outright, so the ILPs it never needs are never built or branched
-    on. (Cells it never used keep their bounds in the returned problem's table.)"""
+    on. (Cells it never used keep their bounds in the returned problem's table.) With
+    ``charge`` (seconds per first layer and submesh: ``stage_transfers``), the DP runs on the
+    charged cells; the table returned and the solution's latencies are uncharged."""
     budget = _budget(model.method, model.cluster)
-    beat = math.inf if model.method.stage_option.refine else BEAT.get()
+    refine = model.method.stage_option.refine
+    beat = math.inf if refine or charge is not None else BEAT.get()
     idle = WHILE_SETTLING.get()
     while True:
         t_dp = time.perf_counter()
-        solution = solve_stages(problem)
+        solution = solve_stages(problem if charge is None else charged(problem, charge))
+        if charge is not None:
+            solution = uncharged(problem, solution)
         model.stats.dp_seconds += time.perf_counter() - t_dp
         if solution.objective > beat:  # settling only raises the objective
             raise Dominated(solution.objective, beat)
@@ -310,6 +320,44 @@ def _settled_dp(
                 fresh = _table_entries(model, tables[(si, ci)], sub, si, ci, configs, entries)
             _fill_cells(cost, succ, fresh.items(), budget)
         problem = dataclasses.replace(problem, cost=cost, max_succ=succ)
+
+
+def _transfer_aware(model, problem, solution, entries, tables, starts, ends, configs, lazy,
+                    progress):  # fmt: skip
+    """The fastest in the pipeline simulator (transfers between stages included; never
+    below the DP's objective, see ``executable._ranked_time``) of the DP's multi-stage
+    ``solution`` and the slicings the DP settles on with each stage charged for the
+    activations handed across its edges (``stage_transfers``: one charge per guess of the
+    links), with the table they all stand on. (A one-stage solution has no transfers, and
+    no other slicing can beat it so: each one's objective is at least its own.)"""
+    cut = CutBytes.of(model.forward.jaxpr)
+    schedule = model.method.pipeline_schedule
+    found = [solution]
+    charges = transfer_charges(cut, starts, ends, problem, model.cluster)
+    for k, charge in enumerate(charges):
+        if k and _still_optimal(found[-1], charges[k - 1], charge):
+            break
+        problem, other = _settled_dp(
+            model, problem, entries, tables, starts, ends, configs, lazy, progress, charge
+        )
+        found.append(other)
+    # (the table's cells used may have been re-aligned since a slicing was found)
+    found = list({s.stages: s for s in (uncharged(problem, s) for s in found)}.values())
+    if len(found) == 1:
+        return problem, found[0]
+
+    def seconds(s: StageSolution) -> float:
+        """As the micro-batch search ranks plans (``executable._ranked_time``)."""
+        return max(s.objective, simulated_seconds(s, cut, starts, ends, model.cluster, schedule))
+
+    return problem, min(found, key=seconds)
+
+
+def _still_optimal(solution: StageSolution, before: np.ndarray, after: np.ndarray) -> bool:
+    """Whether ``solution``, optimal under charge ``before``, is optimal under ``after`` too:
+    ``after`` charges no cell less and the solution's own cells the same."""
+    cells = [(st.layer_start, st.layer_end, st.submesh_index) for st in solution.stages]
+    return bool(np.all(after >= before)) and all(after[c] == before[c] for c in cells)
 
 
 def _explore(model, problem, picked, entries, tables, starts, ends, configs, lazy, progress):

@@ -11,6 +11,7 @@ import pytest
 
 import alpa_mini
 from alpa_mini import ClusterSpec, MemoryBudgetError, PipeshardParallel
+from alpa_mini.errors import ConfigError
 from alpa_mini.models import make_train_step, sgd
 from alpa_mini.pipeline.micro_batch_search import (
     Dominated,
@@ -18,6 +19,7 @@ from alpa_mini.pipeline.micro_batch_search import (
     search_micro_batches,
 )
 from alpa_mini.pipeline.plan import PipeshardPlan
+from alpa_mini.pipeline.simulate import simulate_plan
 from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
 
@@ -28,6 +30,19 @@ def test_candidates_are_the_divisors_nearest_each_power_of_two():
     assert micro_batch_candidates(24) == [1, 2, 4, 8, 12]
     assert micro_batch_candidates(7) == [1, 7]
     assert micro_batch_candidates(1) == [1]
+
+
+def test_near_each_power_of_two_the_count_whose_micro_batches_split_over_most_devices():
+    # 1792 = 256 * 7 on 1024 devices: 56 (32 rows each, data parallel up to 32) beside 64
+    # (28 rows, at most 4), and so on up the ladder; a power-of-two batch keeps its ladder.
+    assert micro_batch_candidates(1792, 1024) == [1, 2, 4, 7, 14, 28, 56, 112, 224, 448, 896]
+    assert micro_batch_candidates(1792) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 448, 896]
+    assert micro_batch_candidates(1024, 64) == micro_batch_candidates(1024)
+    # 2304 = 256 * 9 on 1536 = 512 * 3 devices: 96 (24 rows: Megatron-LM's dp 24) for 128
+    assert 96 in micro_batch_candidates(2304, 1536)
+    assert 128 not in micro_batch_candidates(2304, 1536)
+    with pytest.raises(ConfigError, match="devices: 0"):
+        micro_batch_candidates(8, 0)
 
 
 def _curve(k: int, rng: random.Random) -> list[float]:
@@ -156,9 +171,9 @@ def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
 @pytest.mark.slow  # 9 s: plans every count
 def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     """An MLP of 4 marked layers, batch 64, on 8 devices: the count chosen is the one
-    planning every candidate separately finds fastest, tracing the step once (later counts
-    trace the loss alone); the plan
-    records what it tried and keeps it through JSON; the step trains as serial JAX."""
+    planning every candidate separately finds fastest in the simulator, tracing the step
+    once (later counts trace the loss alone); the plan records what it tried and keeps it
+    through JSON; the step trains as serial JAX."""
     alpa_mini.shutdown()
     cluster = ClusterSpec.named("cpu-2x4")
     alpa_mini.init(cluster=cluster)
@@ -170,7 +185,9 @@ def test_a_searched_count_is_the_fastest_plan_over_all_counts(devices8):
     for b in micro_batch_candidates(64):
         method = PipeshardParallel(num_micro_batches=b)
         try:
-            times[b] = alpa_mini.plan(step, params, state, data, method=method).predicted_time
+            plan = alpa_mini.plan(step, params, state, data, method=method)
+            # (transfers between stages included, as the search ranks several stages)
+            times[b] = simulate_plan(plan, cluster).iteration_time
         except MemoryBudgetError:
             times[b] = math.inf
     calls = []

@@ -82,3 +82,25 @@ def test_an_uneven_default_split_names_the_stage_count() -> None:
 
     with pytest.raises(ConfigError, match=r"num_stages: 3 stages cannot divide cluster cpu-1x8"):
         even_submesh(3, ClusterSpec.named("cpu-1x8"))
+
+
+def test_submesh_spaces_name_the_host_counts_they_search() -> None:
+    """192 hosts of 8: powers of two up to 128 (the default), and with "divisors" every host
+    count dividing 192, so Megatron-LM's 8 stages of 24 hosts are in reach."""
+    from alpa_mini.pipeline.stage_configs import _allowed_submeshes
+    from alpa_mini.solvers.stages import submesh_shapes
+
+    shapes = submesh_shapes(192, 8)
+
+    def hosts(space: str) -> list[int]:
+        allowed = _allowed_submeshes(shapes, space)
+        return sorted({h for (h, d), ok in zip(shapes, allowed, strict=True) if ok and d == 8})
+
+    assert AutoStageOption().submesh_space == "power_of_two"
+    assert hosts("power_of_two") == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert hosts("divisors") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192]
+    assert hosts("all") == list(range(1, 193))
+    assert hosts("one_host") == [1]
+    # a power-of-two cluster: the same space either way
+    small = submesh_shapes(8, 8)
+    assert _allowed_submeshes(small, "divisors") == _allowed_submeshes(small, "power_of_two")

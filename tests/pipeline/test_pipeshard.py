@@ -171,8 +171,9 @@ def test_identical_layers_are_solved_once():
     # middle ones, the last (with the loss); ten stage configs on one host of 8: the seven
     # (submesh, logical mesh) pairs (1,), (2,), (4,), (2, 2), (8,), (4, 2), (2, 4), and the
     # ZeRO-3 (memory-lean) column of each multi-device submesh. Individual profiling composes
-    # the 21 ranges.
-    assert p.ilps_solved == 3 * 10
+    # the 21 ranges. A one-stage plan (this one: the six-stage slicing the DP finds first
+    # simulates slower, its activations handed on) adds its refinement's whole-stage ILP.
+    assert p.ilps_solved == 3 * 10 + (len(ex.plan.stages) == 1)
     assert p.cost_entries == 21 * 10
     assert p.cache_hits == 3 * 10  # layers 2..4 of the middle four, on each config
 
