@@ -124,7 +124,7 @@ def transfer_charges(
 def charged(problem: StageProblem, charge: np.ndarray) -> StageProblem:
     """``problem`` with each cell's latency raised by its range's and submesh's ``charge``
     (a copy: the cells stay the stages' own latencies in ``problem``)."""
-    return dataclasses.replace(problem, cost=problem.cost + charge[:, :, :, None])
+    return problem.plus(charge)
 
 
 def uncharged(problem: StageProblem, solution: StageSolution) -> StageSolution:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -232,6 +233,24 @@ class StageProblem:
     def submesh_sizes(self) -> np.ndarray:
         """Device count of every submesh, increasing."""
         return np.array([h * d for h, d in self.submesh_shapes], dtype=np.int64)
+
+    def plus(self, extra: ArrayLike) -> StageProblem:
+        """This problem with ``extra[i, j, s]`` seconds (finite, >= 0; shape ``(L, L, S)``)
+        added to every config's cell of range ``i..j`` on submesh ``s``. It shares this
+        problem's ``max_succ`` and copies only ``cost``: a charged variant of a large table
+        (a GB at Megatron's 1T) costs one new cost array, not a revalidated pair."""
+        add = np.asarray(extra, dtype=np.float64)
+        if add.shape != self.cost.shape[:3]:
+            raise SolverInputError(
+                f"extra must have shape (L, L, S) = {self.cost.shape[:3]}, got {add.shape}"
+            )
+        if not (np.isfinite(add).all() and (add >= 0).all()):
+            raise SolverInputError("extra must hold finite seconds >= 0")
+        cost = self.cost + add[:, :, :, None]  # inf stays inf: i > j and misfits unchanged
+        cost.flags.writeable = False
+        out = copy.copy(self)
+        object.__setattr__(out, "cost", cost)
+        return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StageProblem):

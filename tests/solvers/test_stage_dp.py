@@ -457,3 +457,25 @@ def test_random_problem_is_realistic() -> None:
     # tensor parallelism scales well inside a host (4 -> 8 devices), badly across (8 -> 16)
     tp_only = cost[5, 5, :, -1]
     assert tp_only[2] / tp_only[3] > 1.5 > tp_only[3] / tp_only[4]
+
+
+def test_a_problem_plus_extra_seconds_is_the_problem_built_with_them():
+    """``StageProblem.plus``: the same problem as one built with the charged cost, sharing
+    ``max_succ`` (no copy), so the DP's optimum is brute force's over the charged cells."""
+    rng = np.random.default_rng(3)
+    problem = random_stage_problem(4, 2, 2, num_configs=2, seed=5)
+    extra = rng.uniform(0.0, 0.5, problem.cost.shape[:3])
+    charged = problem.plus(extra)
+    built = StageProblem(
+        2, 2, problem.cost + extra[..., None], problem.max_succ, problem.num_micro_batches,
+        problem.config_names,
+    )  # fmt: skip
+    assert charged == built
+    assert charged.max_succ is problem.max_succ and not charged.cost.flags.writeable
+    assert solve_stages(charged).objective == pytest.approx(
+        brute_force_stages(built).objective, rel=1e-12
+    )
+    with pytest.raises(SolverInputError, match=r"extra must have shape \(L, L, S\)"):
+        problem.plus(extra[:, :, :1])
+    with pytest.raises(SolverInputError, match="finite seconds >= 0"):
+        problem.plus(-extra)
