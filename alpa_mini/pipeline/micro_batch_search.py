@@ -48,8 +48,8 @@ def micro_batch_candidates(rows: int, devices: int = 1) -> list[int]:
     the one whose micro-batch of ``rows / B`` rows splits over the most of ``devices`` (the
     largest gcd(rows / B, devices): a data-parallel degree must divide the micro-batch), then
     the nearest on a log scale, then the smaller; where none is that close, the nearest.
-    (A batch of 1792 on 1024 GPUs gets 56, 28 rows each, not 64, 28 rows: data parallelism
-    of 32 fits 56's micro-batches, at most 4 fits 64's.)"""
+    (A batch of 1792 on 1024 GPUs gets 56, 32 rows each, not 64, 28 rows each: data
+    parallelism of 32 fits 56's micro-batches, at most 4 fits 64's.)"""
     if rows < 1:
         raise ConfigError(f"batch: {rows} rows; a searched micro-batch count needs >= 1")
     if devices < 1:
