@@ -55,7 +55,7 @@ from .plan import PipeshardPlan, StagePlan
 from .stage_configs import StageConfig, _allowed_submeshes, _config_names, stage_configs
 from .stage_cost import StageCost, _budget, _StageModel, _with_launches
 from .stage_slice import slice_stage
-from .stage_transfers import CutBytes, charged, simulated_seconds, transfer_charges, uncharged
+from .stage_transfers import CutBytes, simulated_seconds, transfer_charges, uncharged
 
 __all__ = ["plan_pipeline"]
 
@@ -279,7 +279,7 @@ def _settled_dp(
     idle = WHILE_SETTLING.get()
     while True:
         t_dp = time.perf_counter()
-        solution = solve_stages(problem if charge is None else charged(problem, charge))
+        solution = solve_stages(problem if charge is None else problem.plus(charge))
         if charge is not None:
             solution = uncharged(problem, solution)
         model.stats.dp_seconds += time.perf_counter() - t_dp

@@ -26,7 +26,7 @@ from .placement import assign_devices
 from .schedules import make_schedule
 from .simulate import chain_timings, simulate
 
-__all__ = ["CutBytes", "charged", "simulated_seconds", "transfer_charges", "uncharged"]
+__all__ = ["CutBytes", "simulated_seconds", "transfer_charges", "uncharged"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,12 +119,6 @@ def transfer_charges(
     if cluster.num_hosts > 1 and not np.array_equal(by_shape, everywhere):
         return [by_shape, everywhere]
     return [by_shape]
-
-
-def charged(problem: StageProblem, charge: np.ndarray) -> StageProblem:
-    """``problem`` with each cell's latency raised by its range's and submesh's ``charge``
-    (a copy: the cells stay the stages' own latencies in ``problem``)."""
-    return problem.plus(charge)
 
 
 def uncharged(problem: StageProblem, solution: StageSolution) -> StageSolution:
