@@ -120,7 +120,12 @@ def test_the_default_refinement_keeps_each_stage_at_its_faster_plan(monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "option", [AutoStageOption(refine=True), AutoStageOption(profiling="whole")]
+    "option",
+    [
+        AutoStageOption(refine=True),
+        # 27-48 s: one whole-stage ILP per layer range of the GPT
+        pytest.param(AutoStageOption(profiling="whole"), marks=pytest.mark.slow),
+    ],
 )
 def test_no_default_refinement_where_stages_are_not_composed(option) -> None:
     step, args = _gpt_args()
