@@ -271,8 +271,8 @@ def _settled_dp(
     until the DP picks it and its layer table is made. A slicing of exact cells that is best
     against bounds is best outright, so the ILPs it never needs are never built or branched
     on. (Cells it never used keep their bounds in the returned problem's table.) With
-    ``charge`` (seconds per first layer and submesh: ``stage_transfers``), the DP runs on the
-    charged cells; the table returned and the solution's latencies are uncharged."""
+    ``charge`` (seconds per first layer, last layer and submesh: ``stage_transfers``), the DP
+    runs on the charged cells; the table returned and the solution's latencies are not."""
     budget = _budget(model.method, model.cluster)
     refine = model.method.stage_option.refine
     beat = math.inf if refine or charge is not None else BEAT.get()
