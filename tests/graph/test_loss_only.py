@@ -60,7 +60,7 @@ def test_the_trace_stops_at_the_grad_call_with_the_whole_trace_loss() -> None:
     assert (got.sources, got.diff, got.batch) == (want.sources, want.diff, want.batch)
 
 
-@pytest.mark.parametrize("B", [2, None])
+@pytest.mark.parametrize("B", [2, pytest.param(None, marks=pytest.mark.slow)])  # None: 4 s
 def test_a_plan_from_the_loss_alone_is_the_plan_of_the_whole_step(B: int | None) -> None:
     updates: list[int] = []
     step, args = _counted_step(updates)

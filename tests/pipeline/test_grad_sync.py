@@ -203,6 +203,7 @@ def test_data_parallel_gpt_reduces_its_gradients_once_per_step():
     assert max(totals.values()) <= 1.05 * min(totals.values()), totals
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_fused_programs_move_the_same_gradient_bytes():
     """Fusion (the default) runs a one-stage step as one program and the last stage's
     forward and backward of a micro-batch as one (``lower/fuse.py``); the gradient bytes
@@ -284,6 +285,7 @@ def test_one_micro_batch_plans_count_the_whole_partials_its_backward_returns():
     assert ex.plan.stages[0].peak_memory >= whole + shards
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_expert_parallel_weights_accumulate_in_their_own_layout():
     """DeepSpeed's expert parallelism on 8 devices (batch and experts both split over the
     one axis): each device computes its own experts' weight gradients, so the runtime keeps

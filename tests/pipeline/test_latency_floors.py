@@ -31,6 +31,7 @@ def _stages(plan) -> list:
     return json.loads(plan.to_json())["stages"]
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_each_layer_floor_is_at_most_its_exact_cost_and_equal_on_one_device() -> None:
     step, args = _gpt_args()
     prepared = _prepared(step, args, METHOD)
@@ -56,6 +57,7 @@ def test_each_layer_floor_is_at_most_its_exact_cost_and_equal_on_one_device() ->
     assert checked >= 15 and below > 0
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_the_dp_builds_only_the_pairs_it_picks_and_plans_as_with_all_built(monkeypatch) -> None:
     step, args = _gpt_args()
     counted: list[int] = []

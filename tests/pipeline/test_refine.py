@@ -55,6 +55,7 @@ def _summary(graph: Any) -> tuple:
     return ops, flops, moved, len(graph.tensors)
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_a_stage_traced_through_layer_calls_is_the_plain_graph() -> None:
     step, args = _gpt_args()
     prepared = _prepared(step, args, _method())
@@ -96,6 +97,7 @@ def test_dead_code_in_the_step_is_not_priced() -> None:
     assert "tanh" in ops and "cos" not in ops and "sin" not in ops
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_the_default_refinement_keeps_each_stage_at_its_faster_plan(monkeypatch) -> None:
     """Each chosen stage ends at the faster of its composition and its whole-stage ILP (the
     same layers, submesh and config), and the refined plan is never slower than the DP's."""
@@ -122,7 +124,7 @@ def test_the_default_refinement_keeps_each_stage_at_its_faster_plan(monkeypatch)
 @pytest.mark.parametrize(
     "option",
     [
-        AutoStageOption(refine=True),
+        pytest.param(AutoStageOption(refine=True), marks=pytest.mark.slow),  # 4 s
         # 27-48 s: one whole-stage ILP per layer range of the GPT
         pytest.param(AutoStageOption(profiling="whole"), marks=pytest.mark.slow),
     ],

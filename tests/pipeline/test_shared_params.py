@@ -65,6 +65,7 @@ def test_an_aligned_stage_runs_and_equals_serial_jax(four_devices):
     assert ex.plan.num_stages == 1 and ex.plan.stages[0].inner_specs
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_the_stage_dp_ranks_ranges_holding_both_readers_by_a_bound_of_aligning_them(
     monkeypatch, four_devices
 ):
@@ -106,6 +107,7 @@ def test_the_stage_dp_ranks_ranges_holding_both_readers_by_a_bound_of_aligning_t
     assert auto.stage_solution.objective == pytest.approx(auto.predicted_time, rel=1e-9)
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_work_given_to_the_settling_runs_once_on_the_callers_thread(four_devices):
     """``WHILE_SETTLING`` (the micro-batch search traces its next counts there) runs once,
     on the planning thread, while the DP's settling (here: aligning the tied embedding's
@@ -176,6 +178,7 @@ def test_the_micro_batch_search_traces_each_count_once_some_ahead(monkeypatch, f
     assert searched.predicted_time == plain.predicted_time
 
 
+@pytest.mark.slow  # 3-10 s: the fast lane's 3 minutes (scripts/test)
 def test_configs_aligned_alongside_the_chosen_one_leave_the_plan_as_it_was(
     monkeypatch, four_devices
 ):

@@ -149,6 +149,7 @@ def test_random_cores_are_consistent_and_never_beat_the_optimum(seed: int) -> No
         assert not res.feasible
 
 
+@pytest.mark.slow  # 3 s: the fast lane's 3 minutes (scripts/test)
 def test_random_cores_usually_reach_the_optimum() -> None:
     hits = total = 0
     for seed in range(20):

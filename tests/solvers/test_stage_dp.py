@@ -162,9 +162,9 @@ def test_reference_matches_brute_force(problem: StageProblem) -> None:
     ("layers", "hosts", "per_host", "b", "seed"),
     [
         (12, 2, 4, 8, 1),
-        (12, 4, 8, 64, 2),
+        pytest.param(12, 4, 8, 64, 2, marks=pytest.mark.slow),  # 3 s
         pytest.param(16, 4, 8, 64, 3, marks=pytest.mark.slow),  # 5-11 s each: full suite
-        (10, 4, 8, 1, 4),
+        pytest.param(10, 4, 8, 1, 4, marks=pytest.mark.slow),  # 3 s
         pytest.param(16, 1, 8, 8, 5, marks=pytest.mark.slow),
     ],
 )
