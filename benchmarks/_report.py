@@ -37,11 +37,19 @@ def update_section(name: str, markdown: str) -> None:
     REPORT.write_text(text)
 
 
-#: The memory model a row is priced with, recorded per row (``memory_model``): since issue 23
-#: (2026-11-28) the planner counts the gradient accumulators the runtime keeps from a stage's
-#: first backward to the step's end (``alpa_mini/shard/accumulators.py``). Rows without the
-#: field were priced before, when only a gradient in flight was counted.
-MEMORY_MODEL = "accumulators"
+#: The memory models rows are priced with, oldest first, recorded per row (``memory_model``)
+#: and shown by the date they took effect (a row without the field predates issue 23).
+#: "accumulators" (2026-11-28): the planner counts the gradient accumulators the runtime
+#: keeps from a stage's first backward to the step's end (``alpa_mini/shard/accumulators.py``).
+#: "parameters held once" (2026-11-29): a stage's residuals leave out the parameters its
+#: backward reads, which the runtime holds once, not once per micro-batch in flight
+#: (``stage_cost._StageModel._graph``); earlier models counted them with each micro-batch.
+MEMORY_MODELS: dict[str | None, str] = {
+    None: "11-26",
+    "accumulators": "11-28",
+    "parameters held once": "11-29",
+}
+MEMORY_MODEL = "parameters held once"
 
 
 #: The stage graphs a row is priced on, recorded per row (``graph_model``): since 2026-11-28,
@@ -57,8 +65,13 @@ def same_graphs(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("graph_model") == b.get("graph_model")
 
 
-def without_accumulators(rows: list[dict[str, Any]], field: str = "memory_model") -> list[str]:
-    """The models of ``rows`` priced before the planner counted gradient accumulators."""
+def memory_label(row: dict[str, Any], field: str = "memory_model") -> str:
+    """The date of the memory model ``row`` was priced with (``MEMORY_MODELS``)."""
+    return MEMORY_MODELS.get(row.get(field), "?")
+
+
+def other_memory_model(rows: list[dict[str, Any]], field: str = "memory_model") -> list[str]:
+    """The models of ``rows`` priced with an earlier memory model than ``MEMORY_MODEL``."""
     return [r["model"] for r in rows if r.get(field) != MEMORY_MODEL]
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._report import GRAPH_MODEL, MEMORY_MODEL, same_graphs, update_section
+from ._report import GRAPH_MODEL, MEMORY_MODEL, memory_label, same_graphs, update_section
 from .megatron_compare import ROWS as MEGATRON_ROWS
 from .plan_quality import SUITES, cluster_for
 
@@ -206,7 +206,7 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         "",
         "| model | GPUs | Megatron dp/tp/pp | Megatron s | defaults simulated s "
         "| defaults / Megatron "
-        "| accumulators (Megatron, defaults) |",
+        "| memory model (Megatron, defaults) |",
         "|---|---:|---|---:|---:|---:|---|",
     ]
     ratios = []
@@ -224,7 +224,7 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['gpus']} | {pub['dp']}/{pub['tp']}/{pub['pp']} | "
             f"{t['theirs']:.2f} | {'–' if ours is None else f'{ours:.2f}'} | {said} | "
-            f"{_counted(t)}, {_counted(r)} |"
+            f"{memory_label(t)}, {memory_label(r)} |"
         )
     if len(ratios) < len(rows):
         lines += ["", f"{len(rows) - len(ratios)} rows not compared: {GRAPHS_NOTE} {SIM_NOTE}"]
@@ -257,11 +257,6 @@ def _simulated(r: dict[str, Any]) -> str:
     return "over memory" if math.isinf(seconds) else f"{seconds:.2f}"
 
 
-def _counted(r: dict[str, Any]) -> str:
-    """Whether a row was priced with the gradient accumulators counted (issue 23)."""
-    return "yes" if r.get("memory_model") == MEMORY_MODEL else "no"
-
-
 def to_markdown(results: list[dict[str, Any]], when: str) -> str:
     others = other_settings()
     lines = [
@@ -270,9 +265,11 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         f"Command: `python -m benchmarks.default_plans [--models ...]` ({when}), 2 cores, alone "
         "unless the *run beside* column names what ran beside the row (planning seconds are "
         "then inflated and not comparable with the targets). *Sync*: the gradient-sync pricing "
-        "the defaults had when the row ran (`after` before the default became `ilp`). *Acc.*: "
-        "whether the planner counted the gradient accumulators the runtime keeps (from "
-        "2026-11-28; rows marked no were planned before, with less memory counted). Each row is "
+        "the defaults had when the row ran (`after` before the default became `ilp`). *Memory*: "
+        "the date of the memory model the row was planned with (11-28: the gradient "
+        "accumulators the runtime keeps counted; 11-29: also the parameters a stage's backward "
+        "reads held once, where earlier models counted them again with each micro-batch in "
+        "flight; 11-26: neither). Each row is "
         "`alpa-mini plan --model M --cluster dgx-a100 --hosts H` with no other flag, in a fresh "
         "process: the micro-batch count searched (the batch's divisors nearest each power of "
         "two, by bisection), every (dp, tp) with tp in a host, ZeRO-3 layers offered, blocks "
@@ -300,7 +297,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         + ", 4 GiB of RSS everywhere.",
         "",
         "| model | GPUs | B | stages | act. | predicted s/iter | simulated s | best other s "
-        "| ratio | planning s | peak RSS GiB | B planned | sync | acc. | run beside |",
+        "| ratio | planning s | peak RSS GiB | B planned | sync | memory | run beside |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     unlike = unsimulated = 0
@@ -323,7 +320,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             f"| {r['model']} | {r['gpus']} | {r['micro_batches']} | {r['stages']} | {act} | "
             f"{r['predicted_s']:.2f} | {_simulated(r)} | {best} | "
             f"{r['planning_s']:.1f} | {rss} | {tried} | {r.get('sync', 'after')} | "
-            f"{_counted(r)} | {r.get('beside') or 'alone'} |"
+            f"{memory_label(r)} | {r.get('beside') or 'alone'} |"
         )
     if unlike:
         lines += ["", f"{unlike} rows not compared with another setting: {GRAPHS_NOTE}"]

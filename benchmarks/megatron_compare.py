@@ -19,7 +19,7 @@ recomputed (``GPTConfig.remat``). Ours is the stage DP (``refine=True``, logical
 ``model_parallel_in_host``) over the same micro-batch counts. Each row runs in a fresh
 process; rows run before the Megatron-LM layouts column show "–" there. Rows record the
 memory model they were priced with (``_report.MEMORY_MODEL``), and the table lists the sides
-priced before the gradient accumulators counted.
+priced with an earlier one.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from benchmarks._report import (
     MEMORY_MODEL,
     RESULTS,
     earlier_rows,
+    memory_label,
     not_rerun,
+    other_memory_model,
     progress,
     run_child,
     update_section,
-    without_accumulators,
 )
 
 __all__ = ["ROWS", "keep_ours", "main", "plan_summary", "row"]
@@ -360,15 +361,14 @@ OTHER_GRAPHS = "– (other graphs)"
 
 
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
-    """Which sides of which rows were priced before the gradient accumulators counted, and
-    which rows keep our plan from an earlier run (``--ours kept``)."""
+    """Which sides of which rows were priced with an earlier memory model, and which rows
+    keep our plan from an earlier run (``--ours kept``)."""
     out = []
-    theirs = without_accumulators(results)
-    if theirs:
-        out.append(f"- Megatron's sides priced without gradient accumulators: {', '.join(theirs)}")
-    ours = without_accumulators(results, "ours_memory_model")
-    if ours:
-        out.append(f"- Ours priced without gradient accumulators: {', '.join(ours)}")
+    for side, field in (("Megatron's sides", "memory_model"), ("Ours", "ours_memory_model")):
+        earlier = [r for r in results if r["model"] in other_memory_model([r], field)]
+        if earlier:
+            named = ", ".join(f"{r['model']} ({memory_label(r, field)})" for r in earlier)
+            out.append(f"- {side} priced with an earlier memory model: {named}")
     kept = [f"{r['model']} ({r['ours_date']})" for r in results if "ours_date" in r]
     if kept:
         out.append(f"- Ours kept from an earlier run (`--ours kept`): {', '.join(kept)}")

@@ -33,6 +33,7 @@ from benchmarks._report import (
     MEMORY_MODEL,
     RESULTS,
     earlier_rows,
+    memory_label,
     not_rerun,
     progress,
     run_child,
@@ -332,7 +333,7 @@ def to_csv_rows(
                 f"divisors of its batch of {r['batch_size']} nearest to the defaults"
             )
         if r.get("memory_model") != MEMORY_MODEL:
-            notes.append("priced (in part) before the planner counted gradient accumulators")
+            notes.append(f"priced (in part) with an earlier memory model ({memory_label(r)})")
         if not math.isfinite(ours):
             notes.append("ours: " + ("; ".join(r["ours"]["reasons"]) or "no plan")[:300])
         elif not math.isfinite(base["time"]):

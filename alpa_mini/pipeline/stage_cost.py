@@ -335,9 +335,13 @@ class _StageModel:
             return f
 
         nd_n = len(diff_in)
+        roles = [self.role(v) for v in (*diff_in, *nondiff_in)]
         # The residuals the forward keeps for the backward: the leaves of the vjp function,
         # read while tracing ``train`` (one trace, where a second ``eval_shape`` of the
-        # forward alone would cost as much again).
+        # forward alone would cost as much again). A leaf that is a parameter or state input
+        # is that input itself, held once however many micro-batches are in flight (the
+        # runtime passes it to the backward as an input, ``lower.compile``), so it is not a
+        # residual; an activation input is, as the backward needs it per micro-batch.
         res_bytes: list[float] = []
 
         def train(*args: Any) -> list[Any]:
@@ -347,7 +351,9 @@ class _StageModel:
                 args[nd_n + len(nondiff_in) :],
             )
             outs_d, vjp_fn, outs_nd = jax.vjp(f_of(nd), *d, has_aux=True)
-            res_bytes.append(sum(_nbytes(jax.typeof(x)) for x in jax.tree.leaves(vjp_fn)))
+            held = {id(x) for x, r in zip((*d, *nd), roles, strict=True) if r != "batch"}
+            leaves = [x for x in jax.tree.leaves(vjp_fn) if id(x) not in held]
+            res_bytes.append(sum(_nbytes(jax.typeof(x)) for x in leaves))
             grads = vjp_fn(list(cts))
             return [*outs_d, *outs_nd, *grads]
 
@@ -356,10 +362,9 @@ class _StageModel:
             for v in (*diff_in, *nondiff_in, *diff_out)
         ]
         closed = without_dead_code(jax.make_jaxpr(train)(*avals))
-        roles = [self.role(v) for v in (*diff_in, *nondiff_in)]
-        roles += ["batch"] * len(diff_out)
-        names = [f"in{k}" for k in range(len(roles))]
-        graph = trace_jaxpr(closed, roles, names)
+        graph_roles = [*roles, *["batch"] * len(diff_out)]  # cotangents arrive like a batch
+        names = [f"in{k}" for k in range(len(graph_roles))]
+        graph = trace_jaxpr(closed, graph_roles, names)
         first_grad = len(diff_out) + len(nondiff_out)
         grads = [first_grad + k for k, r in enumerate(roles[:nd_n]) if r == "param"]
         per_step = 1.0 if self.every_micro_batch else 1.0 / self.method.num_micro_batches

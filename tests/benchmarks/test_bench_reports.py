@@ -176,8 +176,11 @@ def test_megatron_rows_kept_ours_and_the_memory_model_they_were_priced_with():
     assert keep_ours(measured, row)["ours_date"] == "2026-11-26"  # kept twice: still its own
     text = megatron_markdown([row, earlier], "alpa-mini bench megatron", 1.0)
     assert "| 8.00 | 0.667 |" in text  # ours / Megatron over the re-priced side
-    assert "- Megatron's sides priced without gradient accumulators: megatron-x\n" in text
-    assert "- Ours priced without gradient accumulators: megatron-x, megatron-x\n" in text
+    assert "- Megatron's sides priced with an earlier memory model: megatron-x (11-28), " in text
+    assert (
+        "- Ours priced with an earlier memory model: megatron-x (11-26), megatron-x (11-26)\n"
+        in text
+    )
     assert "- Ours kept from an earlier run (`--ours kept`): megatron-x (2026-11-26)" in text
     # Megatron's side re-priced on other stage graphs than our kept plan: not compared.
     regraphed = keep_ours(dict(measured, graph_model="dead code dropped"), earlier)
@@ -298,14 +301,15 @@ DEFAULTS_ROW = {
 }
 
 
-def test_default_plans_rows_say_whether_accumulators_were_counted():
+def test_default_plans_rows_say_which_memory_model_they_were_planned_with():
+    from benchmarks._report import MEMORY_MODEL
     from benchmarks.default_plans import to_markdown as defaults_markdown
 
     base = dict(DEFAULTS_ROW, tried=[[32, None], [64, 10.0]])
-    now = dict(base, memory_model="accumulators")
-    text = defaults_markdown([base, now], "2026-11-28")
-    assert "| 32: no fit, 64: 10.00 | ilp | no | alone |" in text
-    assert "| 32: no fit, 64: 10.00 | ilp | yes | alone |" in text
+    rows = [base, dict(base, memory_model="accumulators"), dict(base, memory_model=MEMORY_MODEL)]
+    text = defaults_markdown(rows, "2026-11-29")
+    for when in ("11-26", "11-28", "11-29"):
+        assert f"| 32: no fit, 64: 10.00 | ilp | {when} | alone |" in text
     header = next(line for line in text.splitlines() if line.startswith("| model"))
     rule = next(line for line in text.splitlines() if line.startswith("|---"))
     assert header.count("|") == rule.count("|")  # the new column in both
