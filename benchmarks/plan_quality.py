@@ -616,13 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         if subset is not None:
             result = _merged(result, by_model.get(name))
         today = datetime.date.today().isoformat()
-        # The row's memory model holds only if every baseline kept is priced with it too.
+        # The row's memory model holds only if every baseline kept is priced with it too;
+        # otherwise the row keeps the earlier (older) models its kept baselines were priced on.
         earlier = by_model.get(name, {})
-        fresh = subset is None or (
-            earlier.get("memory_model") == MEMORY_MODEL
-            and earlier.get("graph_model") == GRAPH_MODEL
-        )
-        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL} if fresh else {}
+        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL}
+        if subset is not None:
+            memory = {k: earlier[k] for k in memory if k in earlier}
         results.append({**result, "date": today, "grad_sync": GRAD_SYNC, **memory})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured
