@@ -70,11 +70,6 @@ def memory_label(row: dict[str, Any], field: str = "memory_model") -> str:
     return MEMORY_MODELS.get(row.get(field), "?")
 
 
-def other_memory_model(rows: list[dict[str, Any]], field: str = "memory_model") -> list[str]:
-    """The models of ``rows`` priced with an earlier memory model than ``MEMORY_MODEL``."""
-    return [r["model"] for r in rows if r.get(field) != MEMORY_MODEL]
-
-
 #: A child's stdout line with this prefix is echoed by the parent as it arrives.
 PROGRESS = "PROGRESS "
 

@@ -42,7 +42,6 @@ from benchmarks._report import (
     earlier_rows,
     memory_label,
     not_rerun,
-    other_memory_model,
     progress,
     run_child,
     update_section,
@@ -365,7 +364,7 @@ def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
     keep our plan from an earlier run (``--ours kept``)."""
     out = []
     for side, field in (("Megatron's sides", "memory_model"), ("Ours", "ours_memory_model")):
-        earlier = [r for r in results if r["model"] in other_memory_model([r], field)]
+        earlier = [r for r in results if r.get(field) != MEMORY_MODEL]
         if earlier:
             named = ", ".join(f"{r['model']} ({memory_label(r, field)})" for r in earlier)
             out.append(f"- {side} priced with an earlier memory model: {named}")
