@@ -240,13 +240,21 @@ class PipeshardPlan:
             raise ConfigError(f"plan: malformed record ({type(err).__name__}: {err})") from None
 
     def summary(self) -> Any:
-        """A rich table of the stages and the predicted iteration time."""
+        """A rich table of the stages and the predicted iteration time; with several stages
+        on a known cluster, also the simulated one, which adds the transfers between stages
+        (what the micro-batch search ranks counts by)."""
         from rich.table import Table
 
+        from .simulate import simulate_plan
+
+        simulated = ""
+        if self.num_stages > 1 and self.cluster_spec is not None:
+            seconds = simulate_plan(self, self.cluster_spec).iteration_time
+            simulated = f" ({seconds * 1e3:.3f} simulated with transfers)"
         t = Table(
             title=f"Pipeshard plan: {self.num_stages} stages, {self.num_layers} layers, "
             f"{self.schedule}, B={self.num_micro_batches}, predicted "
-            f"{self.predicted_time * 1e3:.3f} ms/iter"
+            f"{self.predicted_time * 1e3:.3f} ms/iter{simulated}"
             + ("" if self.layer_eps is None else f", layer flops within 1+{self.layer_eps:.3g}")
         )
         for col in (

@@ -121,6 +121,9 @@ def test_a_planned_gpt_simulates_to_its_prediction_plus_the_activation_transfer(
     full = simulate_plan(plan, cluster)
     # GPipe: the forward chain waits one hop and the backward chain one hop, once each
     assert full.iteration_time == pytest.approx(plan.predicted_time + 2 * hop, rel=1e-9)
+    # The plan's summary gives both: what the DP predicted and what the simulator adds.
+    both = f"{plan.predicted_time * 1e3:.3f} ms/iter ({full.iteration_time * 1e3:.3f} simulated"
+    assert both in plan.summary().title
     # Round trip through JSON keeps what the simulator reads.
     again = alpa_mini.PipeshardPlan.from_json(plan.to_json())
     assert simulate_plan(again, cluster).iteration_time == full.iteration_time
