@@ -26,6 +26,7 @@ __all__ = [
     "flatten_calls",
     "jaxpr_flops",
     "subjaxprs",
+    "without_dead_code",
 ]
 
 #: Equations whose sub-jaxpr is inlined when tracing and lowering (param name of the body).
@@ -168,3 +169,14 @@ def flatten_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     outvars = splice(top, closed.consts, invars)
     jaxpr = Jaxpr(constvars, invars, outvars, eqns, top.effects, top.debug_info)
     return ClosedJaxpr(jaxpr, consts)
+
+
+def without_dead_code(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` less the equations none of its outputs depends on (nested jaxprs too);
+    inputs, constants and effectful equations are kept. XLA drops such code, so neither an
+    ILP nor a lowering should carry it."""
+    # jax has no public dead-code pass (jit lowering runs this one).
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    return ClosedJaxpr(jaxpr, closed.consts)

@@ -23,7 +23,7 @@ from jax.extend.core import ClosedJaxpr
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture
-from ..graph.jaxpr_walk import eval_eqns
+from ..graph.jaxpr_walk import eval_eqns, without_dead_code
 from ..graph.tracing import trace_jaxpr
 from ..options.pipeshard import (
     PipeshardParallel,
@@ -41,7 +41,7 @@ from .grad_pricing import amortize_gradient_reductions, every_micro_batch, gradi
 from .layers import layer_hash
 from .stage_configs import StageConfig
 from .stage_slice import slice_stage
-from .stage_trace import layer_calls, without_dead_code
+from .stage_trace import layer_calls
 
 __all__ = ["PlanningCounters", "StageCost"]
 

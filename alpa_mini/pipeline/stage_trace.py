@@ -3,8 +3,8 @@ several layers differentiated one distinct layer at a time.
 
 Linearizing equation by equation leaves equations no output depends on (a tangent rule's
 comparisons and selects whose result is never read: 6% of gpt-1.3b's bytes accessed). XLA
-drops them, so the ILP must not price them (``without_dead_code``). A slice of many layers,
-traced plainly, differentiates every equation of every layer again (gpt-1.3b's 25-layer
+drops them, so the ILP must not price them (``jaxpr_walk.without_dead_code``). A slice of
+many layers, traced plainly, differentiates every equation of every layer again (gpt-1.3b's 25-layer
 stage: 2 s); traced as one jitted call per layer (``layer_calls``), JAX differentiates each
 distinct layer once, as it caches a jitted call's JVP, partial evaluation and transpose by
 its jaxpr. Its derivative has no dead code, and the op graph inlines the calls, so with dead
@@ -22,17 +22,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, jaxpr_as_fun
 
 from .layers import layer_hash
 
-__all__ = ["layer_calls", "without_dead_code"]
-
-
-def without_dead_code(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` less the equations none of its outputs depends on (nested jaxprs too);
-    inputs and constants are kept."""
-    # jax has no public dead-code pass (jit lowering runs this one).
-    from jax._src.interpreters import partial_eval as pe
-
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    return ClosedJaxpr(jaxpr, closed.consts)
+__all__ = ["layer_calls"]
 
 
 def layer_calls(

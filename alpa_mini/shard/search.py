@@ -36,7 +36,7 @@ def check_replayed_plan(plan: ShardingPlan, graph: OpGraph, cluster: ClusterSpec
             f"plan: made for a mesh {plan.mesh_shape} of {devices} devices; cluster "
             f"{cluster.name} has {cluster.num_devices}"
         )
-    problem = _other_structure(plan, graph) or next(
+    problem = other_structure(plan, graph) or next(
         (
             f"tensor {t.name or g.id} is {t.dtype}{list(t.shape)} in the plan and "
             f"{g.dtype}{list(g.shape)} here"
@@ -49,7 +49,7 @@ def check_replayed_plan(plan: ShardingPlan, graph: OpGraph, cluster: ClusterSpec
         raise ConfigError(f"plan: made for another step: {problem}")
 
 
-def _other_structure(plan: ShardingPlan, graph: OpGraph) -> str | None:
+def other_structure(plan: ShardingPlan, graph: OpGraph) -> str | None:
     """How ``graph`` differs from the one ``plan`` was made for, shapes aside (None: alike)."""
     if len(plan.nodes) != len(graph.nodes) or len(plan.tensors) != len(graph.tensors):
         return (
@@ -67,7 +67,7 @@ def _other_structure(plan: ShardingPlan, graph: OpGraph) -> str | None:
 def resized_plan(plan: ShardingPlan, graph: OpGraph) -> tuple[str, ShardingPlan | None]:
     """``plan`` for the same step with other batch rows (``graph``): the same layouts on the
     new shapes, or why they do not fit (the structure differs, or a split stops dividing)."""
-    other = _other_structure(plan, graph)
+    other = other_structure(plan, graph)
     if other:
         return f"the traced step has another structure on this batch size ({other})", None
     tensors = []

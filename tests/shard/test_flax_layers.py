@@ -15,14 +15,15 @@ from alpa_mini.shard.strategies import loop_nest
 
 #: What nn.Embed, nn.MultiHeadDotProductAttention, nn.Conv, nn.BatchNorm, nn.avg_pool,
 #: nn.max_pool, nn.Dropout and nn.Dense emit in a train step with optax's cross entropy and
-#: Adam (jax 0.10, flax 0.12); each has a rule.
+#: Adam (jax 0.10, flax 0.12), less the dead code XLA drops (abs's derivative's ``sign``);
+#: each has a rule.
 FLAX_PRIMITIVES = {
     "abs", "add", "add_any", "bitcast_convert_type", "broadcast_in_dim", "concatenate",
     "conv_general_dilated", "convert_element_type", "div", "dot_general", "eq", "exp",
     "gather", "ge", "gt", "integer_pow", "is_finite", "log", "lt", "max", "mul", "neg", "or",
     "pad", "pow", "random_bits", "random_fold_in", "random_unwrap", "random_wrap",
     "reduce_max", "reduce_sum", "reduce_window_max", "reduce_window_sum", "reshape", "rsqrt",
-    "scatter-add", "select_and_scatter_add", "select_n", "shift_right_logical", "sign",
+    "scatter-add", "select_and_scatter_add", "select_n", "shift_right_logical",
     "split", "sqrt", "square", "stop_gradient", "sub", "transpose",
 }  # fmt: skip
 

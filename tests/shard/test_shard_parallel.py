@@ -7,6 +7,8 @@ the ILP's choice, its predicted communication and the collectives XLA really emi
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -209,3 +211,57 @@ def test_gpt_collectives_in_hlo_equal_the_plans_prediction(devices8, mesh) -> No
     assert counts, "a sharded GPT step communicates"
     assert {k: c[0] for k, c in counts.items()} == {k: c[1] for k, c in counts.items()}
     assert ex.collectives().byte_ratio() == pytest.approx(1.0)
+
+
+def _dead_cosine_loss(p, x, y):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(x @ p["w1"])
+    jnp.cos(h) * 3.0  # dead
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def _dead_cosine_step(p, x, y):
+    value, g = alpa_mini.value_and_grad(_dead_cosine_loss)(p, x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+
+@jax.jit
+def _dead_cosine_serial(p, x, y):
+    value, g = jax.value_and_grad(_dead_cosine_loss)(p, x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_dead_code_in_the_step_is_neither_priced_nor_run(devices4, B: int) -> None:
+    """The loss computes a cosine it never reads: XLA drops it, so the ILP does not price
+    it, and the step (its micro-batch loop too) still equals serial JAX."""
+    args = mlp_inputs(16, 8)
+    method = ShardParallel(mesh_shape=(4,), num_micro_batches=B)
+    pstep = alpa_mini.parallelize(_dead_cosine_step, method=method, batch_argnums=(1, 2))
+    graph = pstep._trace(pstep._prepare(args)).graph
+    ops = {n.primitive for n in graph.nodes}
+    assert "tanh" in ops and "cos" not in ops
+    assert_matches_serial(pstep, _dead_cosine_serial, args)
+
+
+def test_a_plan_saved_with_the_dead_code_still_replays(devices4, monkeypatch) -> None:
+    """A plan saved before dead code was dropped names its operators too: it is replayed on
+    the whole jaxpr, and equals serial JAX."""
+    from alpa_mini import api
+
+    args = mlp_inputs(16, 8)
+    with monkeypatch.context() as m:
+        m.setattr(api, "without_dead_code", lambda closed: closed)
+        old = alpa_mini.parallelize(
+            _dead_cosine_step, method=ShardParallel(mesh_shape=(4,)), batch_argnums=(1, 2)
+        )
+        saved = old.get_executable(*args).plan.to_json()
+    assert '"cos"' in saved
+    method = ShardParallel.from_plan(saved)
+    again = alpa_mini.parallelize(_dead_cosine_step, method=method, batch_argnums=(1, 2))
+    replayed = json.loads(again.get_executable(*args).plan.to_json())
+    assert {k: v for k, v in replayed.items() if k != "planning"} == {
+        k: v for k, v in json.loads(saved).items() if k != "planning"
+    }
+    assert_matches_serial(again, _dead_cosine_serial, args)
