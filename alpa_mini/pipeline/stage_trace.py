@@ -4,11 +4,11 @@ several layers differentiated one distinct layer at a time.
 Linearizing equation by equation leaves equations no output depends on (a tangent rule's
 comparisons and selects whose result is never read: 6% of gpt-1.3b's bytes accessed). XLA
 drops them, so the ILP must not price them (``jaxpr_walk.without_dead_code``). A slice of
-many layers, traced plainly, differentiates every equation of every layer again (gpt-1.3b's 25-layer
-stage: 2 s); traced as one jitted call per layer (``layer_calls``), JAX differentiates each
-distinct layer once, as it caches a jitted call's JVP, partial evaluation and transpose by
-its jaxpr. Its derivative has no dead code, and the op graph inlines the calls, so with dead
-code dropped both ways give the same graph.
+many layers, traced plainly, differentiates every equation of every layer again
+(gpt-1.3b's 25-layer stage: 2 s); traced as one jitted call per layer (``layer_calls``), JAX
+differentiates each distinct layer once, as it caches a jitted call's JVP, partial
+evaluation and transpose by its jaxpr. Its derivative has no dead code, and the op graph
+inlines the calls, so with dead code dropped both ways give the same graph.
 """
 
 from __future__ import annotations
