@@ -60,9 +60,31 @@ MEMORY_MODEL = "parameters held once"
 GRAPH_MODEL = "dead code dropped"
 
 
-def same_graphs(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two rows were priced on the same stage graphs (``GRAPH_MODEL``)."""
-    return a.get("graph_model") == b.get("graph_model")
+#: How the simulator prices the activations handed between stages, recorded per row
+#: (``transfer_model``): since 2026-11-29, afternoon, a boundary's bytes share the inter-host
+#: links of the smaller mesh's hosts, which send their shards at once ("host-parallel":
+#: ``alpa_mini/pipeline/simulate.py: chain_timings``); rows without the field sent them over
+#: one link, 18-24% dearer on gpt3-175b's and megatron-145.6b's plans. A plan of one stage
+#: hands nothing on, so its seconds are the same under either.
+TRANSFER_MODEL = "host-parallel"
+
+
+def pricing(
+    row: dict[str, Any], stages: int | None, prefix: str = ""
+) -> tuple[str | None, str | None]:
+    """What a plan's simulated seconds in ``row`` depend on besides the plan: the stage graphs
+    (``GRAPH_MODEL``) and, for a plan of several stages (``stages``; None: unknown), the
+    transfer model (``TRANSFER_MODEL``). ``prefix`` picks a side's fields (``"ours_"``),
+    falling back to the row's own."""
+    graphs = row.get(prefix + "graph_model", row.get("graph_model"))
+    transfers = row.get(prefix + "transfer_model", row.get("transfer_model", "one link"))
+    return graphs, None if stages == 1 else transfers
+
+
+def comparable(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> bool:
+    """Whether seconds priced as ``a`` and ``b`` (``pricing``) compare: the same stage graphs,
+    and the same transfer model unless one plan has no transfers."""
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
 
 
 def memory_label(row: dict[str, Any], field: str = "memory_model") -> str:

@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._report import GRAPH_MODEL, MEMORY_MODEL, memory_label, same_graphs, update_section
+from ._report import (
+    GRAPH_MODEL,
+    MEMORY_MODEL,
+    TRANSFER_MODEL,
+    comparable,
+    memory_label,
+    pricing,
+    update_section,
+)
 from .megatron_compare import ROWS as MEGATRON_ROWS
 from .plan_quality import SUITES, cluster_for
 
@@ -138,50 +146,62 @@ def row(model: str) -> dict[str, Any]:
     }
 
 
-def other_settings() -> dict[str, list[tuple[float, str, str | None]]]:
+Pricing = tuple[str | None, str | None]
+
+
+def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
     """Per row, every plan another setting found for it in this project's benchmark runs,
-    as (simulated s/iter, what found it, the stage graphs it was priced on:
-    ``_report.GRAPH_MODEL``): the plan-quality table's baselines (data parallel, ZeRO, PP-DP,
+    as (simulated s/iter, what found it, what its seconds were priced with:
+    ``_report.pricing``): the plan-quality table's baselines (data parallel, ZeRO, PP-DP,
     the strong grid, the family's faithful baseline), our tuned runs (refine, (dp, tp)
     meshes, ZeRO-3 layers, 20 s ILPs, a few micro-batch counts), and the Megatron table's
     published configurations, with the ILP free inside each stage and with Megatron-LM's
     own layouts. Plans that did not fit are left out."""
-    found: dict[str, list[tuple[float, str, str | None]]] = {}
+    found: dict[str, list[tuple[float, str, Pricing]]] = {}
 
-    def add(model: str, seconds: Any, label: str, graphs: str | None) -> None:
+    def add(model: str, seconds: Any, label: str, priced: Pricing) -> None:
         if isinstance(seconds, int | float) and math.isfinite(seconds):
-            found.setdefault(model, []).append((float(seconds), label, graphs))
+            found.setdefault(model, []).append((float(seconds), label, priced))
 
     for r in _load(QUALITY):
-        for b in r.get("baselines", []):
-            add(r["model"], b.get("time"), b["name"], r.get("graph_model"))
+        for b in r.get("baselines") or []:
+            pp = (b.get("config") or {}).get("pp")
+            # a baseline kept from an earlier run carries its own transfer model
+            add(r["model"], b.get("time"), b["name"], pricing({**r, **b}, pp))
     for path in (TUNED, QUALITY):
         for r in _load(path):
             if r.get("our_space") == "defaults":  # the defaults themselves
                 continue
             ours = r.get("ours")
             t = ours.get("time") if isinstance(ours, dict) else ours
-            add(r["model"], t, "tuned", r.get("ours_graph_model", r.get("graph_model")))
+            stages = ours.get("stages") if isinstance(ours, dict) else None
+            add(r["model"], t, "tuned", pricing(r, len(stages) if stages else None, "ours_"))
     for r in _load(MEGATRON):
-        add(r["model"], r.get("theirs"), "megatron published", r.get("graph_model"))
-        add(r["model"], r.get("megatron_lm"), "megatron-lm", r.get("graph_model"))
-        add(r["model"], r.get("ours"), "tuned", r.get("ours_graph_model"))
+        pp = r["published"]["pp"]
+        add(r["model"], r.get("theirs"), "megatron published", pricing(r, pp))
+        add(r["model"], r.get("megatron_lm"), "megatron-lm", pricing(r, pp))
+        mine = (r.get("our_choice") or {}).get("pp")
+        add(r["model"], r.get("ours"), "tuned", pricing(r, mine, "ours_"))
     return found
 
 
-def best_other(row: dict[str, Any], found: list[tuple[float, str, str | None]]) -> str:
+def best_other(row: dict[str, Any], found: list[tuple[float, str, Pricing]]) -> str:
     """The table's *best other* and *ratio* cells of a defaults row: the fastest plan another
-    setting found on the row's own stage graphs, and defaults / that (target 1.02), both
-    timed by the pipeline simulator (rows run before it was read say so)."""
-    same = [f for f in found if f[2] == row.get("graph_model")]
+    setting found and priced as the row's own (``_report.pricing``), and defaults / that
+    (target 1.02), both timed by the pipeline simulator (rows run before it was read say so).
+    Plans priced otherwise are left out; the cell counts them."""
+    mine = pricing(row, row.get("stages"))
+    same = [f for f in found if comparable(f[2], mine)]
     if not same:
-        return "– | – (other graphs)" if found else "– | –"
+        return f"– | – ({OTHER_PRICING})" if found else "– | –"
     seconds, label, _ = min(same)
     ours = row.get("simulated_s")
     if ours is None:
         ratio = "– (not simulated)"
     else:
         ratio = f"{ours / seconds:.3f}" if math.isfinite(ours) else "– (over memory)"
+    left = len(found) - len(same)
+    label += f"; left out: {left} priced otherwise" if left else ""
     return f"{seconds:.2f} ({label}) | {ratio}"
 
 
@@ -214,8 +234,8 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         t = theirs[r["model"]]
         pub = t["published"]
         ours = r.get("simulated_s")
-        if not same_graphs(r, t):
-            said = "– (other graphs)"
+        if not comparable(pricing(r, r.get("stages")), pricing(t, pub["pp"])):
+            said = f"– ({OTHER_PRICING})"
         elif ours is None:
             said = "– (not simulated)"
         else:
@@ -227,7 +247,7 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
             f"{memory_label(t)}, {memory_label(r)} |"
         )
     if len(ratios) < len(rows):
-        lines += ["", f"{len(rows) - len(ratios)} rows not compared: {GRAPHS_NOTE} {SIM_NOTE}"]
+        lines += ["", f"{len(rows) - len(ratios)} rows not compared: {PRICING_NOTE} {SIM_NOTE}"]
     if ratios:
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         lines += ["", f"Geometric mean {geo:.3f} over {len(ratios)} rows; worst {max(ratios):.3f}."]
@@ -241,11 +261,16 @@ SIM_NOTE = (
     "every other setting's plan."
 )
 
-#: Why a ratio is left out: the two sides were priced on different stage graphs.
-GRAPHS_NOTE = (
+#: A ratio left out: the two sides were priced differently (``_report.pricing``).
+OTHER_PRICING = "other pricing"
+
+#: Why a ratio is left out: the two sides were priced differently.
+PRICING_NOTE = (
     "one side was priced on stage graphs with dead code (before 2026-11-28, evening, 2-6% "
-    "more per GPT or MoE stage: `_report.GRAPH_MODEL`), the other without; such seconds are "
-    "not compared until that side is re-run."
+    "more per GPT or MoE stage: `_report.GRAPH_MODEL`), or, for a plan of several stages, "
+    "with the transfers between stages over one link (before 2026-11-29, afternoon: "
+    "`_report.TRANSFER_MODEL`), the other not; such seconds are not compared until that "
+    "side is re-run."
 )
 
 
@@ -313,7 +338,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         if r.get("solver_rss") == "own VmHWM" and r.get("solvers_rss_gib"):
             rss += f" (+{r['solvers_rss_gib']:.2f} solvers)"
         best = best_other(r, others.get(r["model"], []))
-        unlike += best.endswith("(other graphs)")
+        unlike += best.endswith(f"({OTHER_PRICING})")
         unsimulated += best.endswith("(not simulated)")
         act = "recomp." if r.get("recomputed") else "stored"
         lines.append(
@@ -323,7 +348,7 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
             f"{memory_label(r)} | {r.get('beside') or 'alone'} |"
         )
     if unlike:
-        lines += ["", f"{unlike} rows not compared with another setting: {GRAPHS_NOTE}"]
+        lines += ["", f"{unlike} rows not compared with another setting: {PRICING_NOTE}"]
     if unsimulated:
         lines += ["", f"{unsimulated} rows not compared with another setting: {SIM_NOTE}"]
     return "\n".join(lines + published_lines(results))
@@ -375,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             "sync": _default_sync(),
             "memory_model": MEMORY_MODEL,
             "graph_model": GRAPH_MODEL,
+            "transfer_model": TRANSFER_MODEL,
             "beside": args.beside,
             "date": today,
         }

@@ -39,9 +39,12 @@ from benchmarks._report import (
     GRAPH_MODEL,
     MEMORY_MODEL,
     RESULTS,
+    TRANSFER_MODEL,
+    comparable,
     earlier_rows,
     memory_label,
     not_rerun,
+    pricing,
     progress,
     run_child,
     update_section,
@@ -244,10 +247,11 @@ def keep_ours(measured: dict[str, Any], earlier: dict[str, Any] | None) -> dict[
     when = earlier.get("ours_date", earlier.get("date", ""))
     model = earlier.get("ours_memory_model", earlier.get("memory_model"))
     graphs = earlier.get("ours_graph_model", earlier.get("graph_model"))
+    links = earlier.get("ours_transfer_model", earlier.get("transfer_model", "one link"))
     kept = {k: earlier[k] for k in OUR_FIELDS}
     return {
         **measured, **kept, "ours_date": when, "ours_memory_model": model,
-        "ours_graph_model": graphs,
+        "ours_graph_model": graphs, "ours_transfer_model": links,
     }  # fmt: skip
 
 
@@ -314,17 +318,17 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
             "" if r["their_B"] is None else f" (B{r['their_B']})"
         )
         activations = "recomputed" if r.get("recomputed") else "stored"
-        # Our plan kept from a run on other stage graphs is not compared (``GRAPH_MODEL``).
-        same = r.get("ours_graph_model", r.get("graph_model")) == r.get("graph_model")
+        # Our plan kept from a run priced otherwise is not compared (``_report.pricing``).
+        same = comparable(pricing(r, None if o is None else o["pp"], "ours_"), pricing(r, p["pp"]))
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
-        ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_GRAPHS) if both else "–"
+        ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_PRICING) if both else "–"
         sync = _sync_text(r)
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
         lm = r.get("megatron_lm")
         lm_text = "–" if lm is None else _seconds(lm)
         fits = lm is not None and math.isfinite(lm) and math.isfinite(r["ours"])
-        lm_ratio = (f"{r['ours'] / lm:.3f}" if same else OTHER_GRAPHS) if fits else "–"
+        lm_ratio = (f"{r['ours'] / lm:.3f}" if same else OTHER_PRICING) if fits else "–"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {activations} | {sync} | {theirs} "
             f"| {_seconds(r['theirs'])} | {mine} | "
@@ -339,11 +343,13 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
     notes += _memory_notes(results)
-    if any(OTHER_GRAPHS in line for line in lines):
+    if any(OTHER_PRICING in line for line in lines):
         notes.append(
-            f"- {OTHER_GRAPHS}: our tuned plan was priced on stage graphs with dead code "
-            "(before 2026-11-28, evening: `_report.GRAPH_MODEL`), Megatron's side without, so "
-            "their seconds are not compared; the defaults are, in *Plans with the defaults*"
+            f"- {OTHER_PRICING}: our tuned plan was priced on stage graphs with dead code "
+            "(before 2026-11-28, evening: `_report.GRAPH_MODEL`) or with the transfers between "
+            "its stages over one link (before 2026-11-29, afternoon: "
+            "`_report.TRANSFER_MODEL`), Megatron's side not, so their seconds are not "
+            "compared; the defaults are, in *Plans with the defaults*"
         )
     stale = [r["model"] for r in results if _sync_text(r) == STALE]
     if stale:
@@ -355,8 +361,8 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
     return "\n".join([*lines, *([""] if notes else []), *notes]) + "\n"
 
 
-#: A ratio left out: the two sides were priced on different stage graphs.
-OTHER_GRAPHS = "– (other graphs)"
+#: A ratio left out: the two sides were priced differently (``_report.pricing``).
+OTHER_PRICING = "– (other pricing)"
 
 
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
@@ -429,9 +435,15 @@ def main(argv: list[str] | None = None) -> int:
             measured = keep_ours(measured, before.get(name))
         today = datetime.date.today().isoformat()
         sync = {"grad_sync": GRAD_SYNC, "grad_sync_ilp": GRAD_SYNC_ILP}
-        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL}
+        memory = {
+            "memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL,
+            "transfer_model": TRANSFER_MODEL,
+        }  # fmt: skip
         if opts.ours == "tuned":
-            memory |= {"ours_memory_model": MEMORY_MODEL, "ours_graph_model": GRAPH_MODEL}
+            memory |= {
+                "ours_memory_model": MEMORY_MODEL, "ours_graph_model": GRAPH_MODEL,
+                "ours_transfer_model": TRANSFER_MODEL,
+            }  # fmt: skip
         results.append({**sync, **measured, "date": today, **memory})
         print(json.dumps(results[-1]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured

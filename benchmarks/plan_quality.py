@@ -32,6 +32,7 @@ from benchmarks._report import (
     GRAPH_MODEL,
     MEMORY_MODEL,
     RESULTS,
+    TRANSFER_MODEL,
     earlier_rows,
     memory_label,
     not_rerun,
@@ -334,6 +335,8 @@ def to_csv_rows(
             )
         if r.get("memory_model") != MEMORY_MODEL:
             notes.append(f"priced (in part) with an earlier memory model ({memory_label(r)})")
+        if one_link(r):
+            notes.append(f"{', '.join(one_link(r))}: transfers between stages over one link")
         if not math.isfinite(ours):
             notes.append("ours: " + ("; ".join(r["ours"]["reasons"]) or "no plan")[:300])
         elif not math.isfinite(base["time"]):
@@ -530,17 +533,36 @@ def _baseline_names(text: str, family: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
+def one_link(r: dict[str, Any]) -> list[str]:
+    """The sides of row ``r`` whose plans of several stages were priced with the transfers
+    between stages over one link (``_report.TRANSFER_MODEL``), so their seconds are dearer
+    than those priced since."""
+    links = r.get("transfer_model", "one link")
+    out = [
+        b["name"]
+        for b in r.get("baselines") or []
+        if (b.get("config") or {}).get("pp", 2) > 1
+        and b.get("transfer_model", links) != TRANSFER_MODEL
+    ]
+    ours = r.get("ours") if isinstance(r.get("ours"), dict) else {}
+    several = len(ours.get("stages") or [0, 0]) > 1  # (unknown: as if several)
+    if several and r.get("ours_transfer_model", links) != TRANSFER_MODEL:
+        out.append("ours")
+    return out
+
+
 def _merged(result: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
     """``result`` with the baselines it did not run kept from the row's ``earlier`` run (each
     dated by when it ran), and its best baseline picked over all of them."""
     today = datetime.date.today().isoformat()
-    ran = [{**b, "date": today} for b in result["baselines"]]
+    ran = [{**b, "date": today, "transfer_model": TRANSFER_MODEL} for b in result["baselines"]]
     names = {baseline_name(b["name"]) for b in ran}
     kept = []
     if earlier is not None:
         when = earlier.get("date", "2026-11-21")
+        links = earlier.get("transfer_model", "one link")
         kept = [
-            {"date": when, **b}
+            {"date": when, "transfer_model": links, **b}
             for b in earlier["baselines"]
             if baseline_name(b["name"]) not in names
         ]
@@ -619,9 +641,13 @@ def main(argv: list[str] | None = None) -> int:
         # The row's memory model holds only if every baseline kept is priced with it too;
         # otherwise the row keeps the earlier (older) models its kept baselines were priced on.
         earlier = by_model.get(name, {})
-        memory = {"memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL}
+        memory = {
+            "memory_model": MEMORY_MODEL, "graph_model": GRAPH_MODEL,
+            "transfer_model": TRANSFER_MODEL,
+        }  # fmt: skip
         if subset is not None:
             memory = {k: earlier[k] for k in memory if k in earlier}
+        memory["ours_transfer_model"] = TRANSFER_MODEL  # (the baselines carry their own)
         results.append({**result, "date": today, "grad_sync": GRAD_SYNC, **memory})
         print(json.dumps(to_csv_rows(results[-1:])[0]), flush=True)
         if not opts.no_write:  # after every row: a long run that stops keeps what it measured

@@ -4,8 +4,9 @@ pipeshard plan under its schedule, cross-stage transfers included.
 Every mesh runs its tasks in the schedule's order. A task starts when its mesh is free and
 its inputs have arrived: a forward needs the previous stage's forward of the same
 micro-batch plus the activation transfer; a backward needs its own forward and the next
-stage's backward plus the cotangent transfer. A transfer is a delay on its link (alpha +
-bytes * beta): it does not occupy either mesh and does not contend with other transfers.
+stage's backward plus the cotangent transfer. A transfer is a delay on its links (alpha +
+bytes * beta, the bytes split over the hosts of the smaller mesh, which send at once): it
+does not occupy either mesh and does not contend with other transfers.
 After its last backward a stage applies its gradients (``update``); the iteration ends when
 the last stage has.
 
@@ -140,8 +141,9 @@ def stage_timings(
     transfers: bool = True,
 ) -> list[StageTiming]:
     """Per-stage timings of a plan: its predicted latency split into forward and backward
-    (1 : ``backward_ratio``), and each boundary's activation bytes over the link between
-    the two meshes (inside one host: the intra-host link; else the inter-host one)."""
+    (1 : ``backward_ratio``), and each boundary's activation bytes over the links between
+    the two meshes (inside one host: the intra-host link; else the inter-host links of as
+    many hosts as the smaller mesh spans, in parallel)."""
     per_host = cluster.devices_per_host
     return chain_timings(
         [st.latency for st in plan.stages],
@@ -171,9 +173,12 @@ def chain_timings(
     def link_time(s: int, other: int, nbytes: float) -> float:
         if nbytes <= 0 or not 0 <= other < n:
             return 0.0
-        same = len(hosts[s]) == 1 and hosts[s] == hosts[other]
-        link = cluster.intra_host if same else cluster.inter_host
-        return link.alpha + nbytes * link.beta
+        if len(hosts[s]) == 1 and hosts[s] == hosts[other]:
+            return cluster.intra_host.alpha + nbytes * cluster.intra_host.beta
+        # Every sending host sends its own shards at once (runtime/instructions.py), so the
+        # bytes share the links of the smaller side's hosts.
+        lanes = max(min(len(hosts[s]), len(hosts[other])), 1)
+        return cluster.inter_host.alpha + nbytes / lanes * cluster.inter_host.beta
 
     timings = []
     for s, latency in enumerate(latencies):

@@ -93,29 +93,33 @@ def transfer_charges(
     stages beside it, one hop each. Under 1F1B the round trips lengthen the loop every
     micro-batch makes through the stages, so where the stages are balanced the iteration
     grows by about a hop per boundary per micro-batch on each stage; the split keeps the sum
-    right and favours neither end. Which link a boundary crosses depends on the whole
-    slicing (``assign_devices``), so two guesses, a charge each: the inter-host link beside a
-    submesh of whole hosts and the intra-host one beside a smaller submesh; and the
-    inter-host link everywhere (on a cluster of several hosts). The simulator that weighs
-    the slicings they give knows which was right."""
+    right and favours neither end. Which links a boundary crosses depends on the whole
+    slicing (``assign_devices``), so two guesses, a charge each: the inter-host links beside
+    a submesh of whole hosts and the intra-host one beside a smaller submesh; and the
+    inter-host links everywhere (on a cluster of several hosts). Either way a submesh of h
+    hosts is guessed to send and receive over h links at once, as beside a neighbour of its
+    own size. The simulator that weighs the slicings they give knows which was right."""
     into = cut.crossing(starts)
     into[0] = 0.0
     out = cut.crossing(ends)
     out[-1] = 0.0  # (the loss outputs stay on the last stage)
 
-    def hop(link: Link, nbytes: np.ndarray) -> np.ndarray:
-        return np.where(nbytes > 0, link.alpha + nbytes * link.beta, 0.0)
+    def hop(link: Link, nbytes: np.ndarray, lanes: int) -> np.ndarray:
+        return np.where(nbytes > 0, link.alpha + nbytes / lanes * link.beta, 0.0)
 
-    def hops(link: Link) -> np.ndarray:
-        """One hop in and one hop out of each (first, last layer) range."""
-        return hop(link, into)[:, None] + hop(link, out)[None, :]
+    def hops(link: Link, lanes: int = 1) -> np.ndarray:
+        """One hop in and one hop out of each (first, last layer) range, the bytes split
+        over ``lanes`` hosts sending at once (the simulator's model)."""
+        return hop(link, into, lanes)[:, None] + hop(link, out, lanes)[None, :]
 
-    intra, inter = hops(cluster.intra_host), hops(cluster.inter_host)
+    intra = hops(cluster.intra_host)
+    # the neighbour's host count is unknown here: guess this submesh's own
+    inter = {h: hops(cluster.inter_host, h) for h in {h for h, _ in problem.submesh_shapes}}
     per = cluster.devices_per_host
     by_shape = np.stack(
-        [inter if h > 1 or d == per else intra for h, d in problem.submesh_shapes], axis=2
+        [inter[h] if h > 1 or d == per else intra for h, d in problem.submesh_shapes], axis=2
     )
-    everywhere = np.repeat(inter[:, :, None], by_shape.shape[2], axis=2)
+    everywhere = np.stack([inter[h] for h, _ in problem.submesh_shapes], axis=2)
     if cluster.num_hosts > 1 and not np.array_equal(by_shape, everywhere):
         return [by_shape, everywhere]
     return [by_shape]

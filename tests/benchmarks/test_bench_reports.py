@@ -185,8 +185,8 @@ def test_megatron_rows_kept_ours_and_the_memory_model_they_were_priced_with():
     # Megatron's side re-priced on other stage graphs than our kept plan: not compared.
     regraphed = keep_ours(dict(measured, graph_model="dead code dropped"), earlier)
     text = megatron_markdown([regraphed], "alpa-mini bench megatron", 1.0)
-    assert "| 8.00 | – (other graphs) |" in text
-    assert "- – (other graphs): our tuned plan was priced on stage graphs with dead code" in text
+    assert "| 8.00 | – (other pricing) |" in text
+    assert "- – (other pricing): our tuned plan was priced on stage graphs with dead code" in text
     with pytest.raises(SystemExit, match="megatron-x has no earlier row"):
         keep_ours(measured, None)
 
@@ -373,8 +373,10 @@ def test_default_plans_compare_with_the_fastest_other_setting_on_the_same_graphs
         if ln.startswith("| gpt-"):
             row.setdefault(ln.split(" | ")[0][2:], ln)
     # Both sides as the simulator times them (the planner's own 10.00 s left out).
-    assert "| 10.00 | 10.00 | 10.20 (megatron published) | 0.980 |" in row["gpt-x"]
-    assert "| 10.00 | 10.00 | – | – (other graphs) |" in row["gpt-y"]
+    # (our tuned 9.5 s was priced on the old graphs)
+    mp = "10.20 (megatron published; left out: 1 priced otherwise)"
+    assert f"| 10.00 | 10.00 | {mp} | 0.980 |" in row["gpt-x"]
+    assert "| 10.00 | 10.00 | – | – (other pricing) |" in row["gpt-y"]
     assert "| 10.00 | – | 10.40 (strong-grid) | – (not simulated) |" in row["gpt-z"]
     assert "1 rows not compared with another setting" in "\n".join(lines)
 
@@ -412,3 +414,54 @@ def test_the_defaults_benchmark_child_reads_each_solvers_own_peak(tmp_path):
     planner = int(next(ln for ln in out.stdout.splitlines() if "PEAK_RSS_KIB" in ln).split()[1])
     assert planner > 200 * 1024
     assert 0 < largest < 150 * 1024 and largest <= together < 2 * largest + 1
+
+
+def test_seconds_of_several_stages_compare_only_under_the_same_transfer_model(
+    tmp_path, monkeypatch
+):
+    """A plan of several stages priced with the transfers over one link (rows without
+    ``transfer_model``) is not compared with one priced host-parallel; a plan of one stage
+    hands nothing on and compares with either."""
+    import json
+
+    from benchmarks import default_plans
+    from benchmarks._report import TRANSFER_MODEL, comparable, pricing
+    from benchmarks.plan_quality import one_link
+
+    old = {"graph_model": "g"}  # before the transfer model was recorded
+    new = {"graph_model": "g", "transfer_model": TRANSFER_MODEL}
+    assert pricing(old, 4) == ("g", "one link") and pricing(new, 1) == ("g", None)
+    assert not comparable(pricing(old, 4), pricing(new, 2))
+    assert comparable(pricing(old, 1), pricing(new, 2))
+    assert not comparable(pricing(old, 1), pricing({"graph_model": "h"}, 1))
+    quality = [
+        {
+            "model": "gpt-x",
+            **old,
+            "baselines": [
+                {"name": "pp-dp", "time": 9.0, "config": {"pp": 4}},  # one link: left out
+                {"name": "zero-2", "time": 11.0, "config": {"pp": 1}},
+                {"name": "strong-grid", "time": 10.5, "config": {"pp": 2}, **new},  # re-run
+            ],
+        }
+    ]
+    megatron = [
+        {"model": "gpt-x", **old, "theirs": 10.0, "megatron_lm": 10.8,
+         "published": {"dp": 1, "tp": 8, "pp": 4}},
+    ]  # fmt: skip
+    for name, rows in (("QUALITY", quality), ("TUNED", []), ("MEGATRON", megatron)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(rows))
+        monkeypatch.setattr(default_plans, name, path)
+    x = dict(DEFAULTS_ROW, stages=4, simulated_s=10.0, **new)
+    text = default_plans.to_markdown([x], "x")
+    best = "10.50 (strong-grid; left out: 3 priced otherwise) | 0.952 |"
+    assert best in text
+    assert "| 1/8/4 | 10.00 | 10.00 | – (other pricing) |" in text
+    # Megatron's side re-priced host-parallel: compared
+    megatron[0].update(new)
+    default_plans.MEGATRON.write_text(json.dumps(megatron))
+    assert "| 1/8/4 | 10.00 | 10.00 | 1.000 |" in default_plans.to_markdown([x], "x")
+    # the plan-quality row names its sides of several stages still priced over one link
+    assert one_link({**quality[0], "ours": {"stages": [[0, 1], [1, 2]]}}) == ["pp-dp", "ours"]
+    assert one_link({**quality[0], "ours": {"stages": [[0, 2]]}}) == ["pp-dp"]

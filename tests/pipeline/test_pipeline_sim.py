@@ -12,7 +12,13 @@ import alpa_mini
 from alpa_mini import ClusterSpec, PipeshardParallel, UniformStageOption
 from alpa_mini.models import GPTConfig, adam, gpt_loss, init_gpt, make_gpt_batch, make_train_step
 from alpa_mini.pipeline.schedules import make_schedule
-from alpa_mini.pipeline.simulate import StageTiming, simulate, simulate_plan, stage_timings
+from alpa_mini.pipeline.simulate import (
+    StageTiming,
+    chain_timings,
+    simulate,
+    simulate_plan,
+    stage_timings,
+)
 
 times = st.lists(st.floats(0.01, 5.0), min_size=1, max_size=6)
 
@@ -128,3 +134,18 @@ def test_a_planned_gpt_simulates_to_its_prediction_plus_the_activation_transfer(
     again = alpa_mini.PipeshardPlan.from_json(plan.to_json())
     assert simulate_plan(again, cluster).iteration_time == full.iteration_time
     assert np.isclose(full.peak_memory[1], plan.stages[1].peak_memory + 3 * timings[1].residual)
+
+
+def test_a_hop_between_meshes_of_several_hosts_shares_the_smaller_sides_links():
+    """Each host of a mesh sends its own shards at once, so a boundary's bytes cross as many
+    inter-host links as the smaller mesh has hosts; inside one host, the intra-host link."""
+    cluster = ClusterSpec.named("dgx-a100").with_hosts(16)
+    inter, intra = cluster.inter_host, cluster.intra_host
+    hosts = [frozenset(range(4)), frozenset(range(4, 12)), frozenset({12}), frozenset({12})]
+    nbytes = [8e9, 6e9, 2e9, 0.0]
+    t = chain_timings([1.0] * 4, nbytes, hosts, cluster)
+    assert t[0].send_forward == pytest.approx(inter.alpha + 8e9 / 4 * inter.beta)  # 4 vs 8
+    assert t[1].send_backward == t[0].send_forward  # the cotangents of the same values
+    assert t[1].send_forward == pytest.approx(inter.alpha + 6e9 * inter.beta)  # 8 vs 1
+    assert t[2].send_forward == pytest.approx(intra.alpha + 2e9 * intra.beta)  # one host
+    assert t[3].send_forward == 0.0 and t[0].send_backward == 0.0

@@ -64,17 +64,19 @@ def test_charges_split_each_round_trip_between_its_stages_over_each_guessed_link
     problem = StageProblem(2, 4, cost, np.zeros(cost.shape, dtype=np.int64), 4)
     by_shape, everywhere = transfer_charges(cut, starts, ends, problem, cluster)
 
-    def hop(link, p: int) -> float:
+    def hop(link, p: int, lanes: int = 1) -> float:
         nbytes = cut.crossing([p])[0] if 0 < p < len(jaxpr.eqns) else 0.0
-        return link.alpha + nbytes * link.beta if nbytes else 0.0
+        return link.alpha + nbytes / lanes * link.beta if nbytes else 0.0
 
     intra, inter = cluster.intra_host, cluster.inter_host
     for i in range(3):
         for j in range(3):
             near = hop(intra, starts[i]) + hop(intra, ends[j])
             far = hop(inter, starts[i]) + hop(inter, ends[j])
-            assert by_shape[i, j] == pytest.approx([near, near, far, far], rel=1e-12)
-            assert everywhere[i, j] == pytest.approx([far] * 4, rel=1e-12)
+            # the (2, 4) submesh sends and receives over both hosts' links at once
+            wide = hop(inter, starts[i], 2) + hop(inter, ends[j], 2)
+            assert by_shape[i, j] == pytest.approx([near, near, far, wide], rel=1e-12)
+            assert everywhere[i, j] == pytest.approx([far, far, far, wide], rel=1e-12)
     assert by_shape[0, 2].tolist() == [0.0] * 4  # one stage: nothing crosses
     # the boundaries' round trips, summed over a slicing's stages
     slicing = (by_shape[0, 0] + by_shape[1, 1] + by_shape[2, 2])[0]
