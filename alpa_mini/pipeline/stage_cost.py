@@ -49,7 +49,7 @@ __all__ = ["PlanningCounters", "StageCost"]
 AXIS_NAMES = ("x", "y", "z")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StageCost:
     """ILP result for one (layer range, submesh, logical mesh): latency and memory."""
 
