@@ -541,7 +541,8 @@ def one_link(r: dict[str, Any]) -> list[str]:
     out = [
         b["name"]
         for b in r.get("baselines") or []
-        if (b.get("config") or {}).get("pp", 2) > 1
+        if math.isfinite(b.get("time", math.inf))  # (one that did not fit has no seconds)
+        and (b.get("config") or {}).get("pp", 2) > 1
         and b.get("transfer_model", links) != TRANSFER_MODEL
     ]
     ours = r.get("ours") if isinstance(r.get("ours"), dict) else {}

@@ -442,6 +442,7 @@ def test_seconds_of_several_stages_compare_only_under_the_same_transfer_model(
                 {"name": "pp-dp", "time": 9.0, "config": {"pp": 4}},  # one link: left out
                 {"name": "zero-2", "time": 11.0, "config": {"pp": 1}},
                 {"name": "strong-grid", "time": 10.5, "config": {"pp": 2}, **new},  # re-run
+                {"name": "zero-3", "time": float("inf"), "reason": "no fit"},  # no seconds
             ],
         }
     ]
