@@ -68,10 +68,14 @@ GRAPH_MODEL = "dead code dropped"
 #: hands nothing on, so its seconds are the same under either.
 TRANSFER_MODEL = "host-parallel"
 
+#: What a plan's seconds were priced with: (stage graphs, transfer model or None).
+Pricing = tuple[str | None, str | None]
 
-def pricing(
-    row: dict[str, Any], stages: int | None, prefix: str = ""
-) -> tuple[str | None, str | None]:
+#: A cell left out because its two sides were priced differently (``comparable``).
+OTHER_PRICING = "other pricing"
+
+
+def pricing(row: dict[str, Any], stages: int | None, prefix: str = "") -> Pricing:
     """What a plan's simulated seconds in ``row`` depend on besides the plan: the stage graphs
     (``GRAPH_MODEL``) and, for a plan of several stages (``stages``; None: unknown), the
     transfer model (``TRANSFER_MODEL``). ``prefix`` picks a side's fields (``"ours_"``),
@@ -81,7 +85,7 @@ def pricing(
     return graphs, None if stages == 1 else transfers
 
 
-def comparable(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> bool:
+def comparable(a: Pricing, b: Pricing) -> bool:
     """Whether seconds priced as ``a`` and ``b`` (``pricing``) compare: the same stage graphs,
     and the same transfer model unless one plan has no transfers."""
     return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])

@@ -28,7 +28,9 @@ from typing import Any
 from ._report import (
     GRAPH_MODEL,
     MEMORY_MODEL,
+    OTHER_PRICING,
     TRANSFER_MODEL,
+    Pricing,
     comparable,
     memory_label,
     pricing,
@@ -146,9 +148,6 @@ def row(model: str) -> dict[str, Any]:
     }
 
 
-Pricing = tuple[str | None, str | None]
-
-
 def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
     """Per row, every plan another setting found for it in this project's benchmark runs,
     as (simulated s/iter, what found it, what its seconds were priced with:
@@ -260,9 +259,6 @@ SIM_NOTE = (
     "predicted time, which leaves out the transfers between stages the simulator times on "
     "every other setting's plan."
 )
-
-#: A ratio left out: the two sides were priced differently (``_report.pricing``).
-OTHER_PRICING = "other pricing"
 
 #: Why a ratio is left out: the two sides were priced differently.
 PRICING_NOTE = (

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from benchmarks._report import (
     GRAPH_MODEL,
     MEMORY_MODEL,
+    OTHER_PRICING,
     RESULTS,
     TRANSFER_MODEL,
     comparable,
@@ -321,14 +322,14 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         # Our plan kept from a run priced otherwise is not compared (``_report.pricing``).
         same = comparable(pricing(r, None if o is None else o["pp"], "ours_"), pricing(r, p["pp"]))
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
-        ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_PRICING) if both else "–"
+        ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_CELL) if both else "–"
         sync = _sync_text(r)
         old = before.get(r["model"]) if r.get("grad_sync") == GRAD_SYNC else None
         old_text = "–" if old is None else _before_text(old)
         lm = r.get("megatron_lm")
         lm_text = "–" if lm is None else _seconds(lm)
         fits = lm is not None and math.isfinite(lm) and math.isfinite(r["ours"])
-        lm_ratio = (f"{r['ours'] / lm:.3f}" if same else OTHER_PRICING) if fits else "–"
+        lm_ratio = (f"{r['ours'] / lm:.3f}" if same else OTHER_CELL) if fits else "–"
         lines.append(
             f"| {r['model']} | {r['gpus']} | {activations} | {sync} | {theirs} "
             f"| {_seconds(r['theirs'])} | {mine} | "
@@ -343,9 +344,9 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         if not math.isfinite(r["ours"]):
             notes.append(f"- {r['model']}, ours: " + "; ".join(r["our_reasons"])[:300])
     notes += _memory_notes(results)
-    if any(OTHER_PRICING in line for line in lines):
+    if any(OTHER_CELL in line for line in lines):
         notes.append(
-            f"- {OTHER_PRICING}: our tuned plan was priced on stage graphs with dead code "
+            f"- {OTHER_CELL}: our tuned plan was priced on stage graphs with dead code "
             "(before 2026-11-28, evening: `_report.GRAPH_MODEL`) or with the transfers between "
             "its stages over one link (before 2026-11-29, afternoon: "
             "`_report.TRANSFER_MODEL`), Megatron's side not, so their seconds are not "
@@ -362,7 +363,7 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
 
 
 #: A ratio left out: the two sides were priced differently (``_report.pricing``).
-OTHER_PRICING = "– (other pricing)"
+OTHER_CELL = f"– ({OTHER_PRICING})"
 
 
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
