@@ -102,10 +102,8 @@ def search_micro_batches(
         if b not in results:
             try:
                 result, t = plan(b, best[0][0] if best else math.inf)
-            except Dominated as out:
-                results[b] = out.with_traceback(None)
-            except (MemoryBudgetError, ConfigError) as err:
-                results[b] = err.with_traceback(None)  # its frames hold that count's plan
+            except (Dominated, MemoryBudgetError, ConfigError) as err:
+                results[b] = _without_frames(err)
             else:
                 results[b] = t
                 if not best or (t, b) < best[0][:2]:
@@ -164,6 +162,23 @@ def search_micro_batches(
             min(budgets) if budgets else None,
         )
     raise ConfigError(f"num_micro_batches: no count searched ({counts}) can be planned ({text})")
+
+
+def _without_frames(err: BaseException) -> BaseException:
+    """``err`` with no traceback left on it or on the exceptions it chains to: their frames
+    hold that count's cost tables (GiBs at 1T: a MemoryBudgetError raised while handling
+    the DP's InfeasibleError keeps it as ``__context__``, and that one's traceback keeps
+    the stage search's locals alive until the search ends)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return err
 
 
 def _exact(results: dict[int, float | ValueError | Dominated]) -> list[tuple[int, float]]:

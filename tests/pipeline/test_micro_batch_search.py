@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import weakref
 
 import jax
 import pytest
@@ -20,6 +22,7 @@ from alpa_mini.pipeline.micro_batch_search import (
 )
 from alpa_mini.pipeline.plan import PipeshardPlan
 from alpa_mini.pipeline.simulate import simulate_plan
+from alpa_mini.solvers.errors import InfeasibleError
 from helpers.mlp import marked_mlp_args, marked_mlp_loss
 
 
@@ -166,6 +169,41 @@ def test_nothing_fitting_is_a_memory_error_with_the_smallest_budget_seen():
     with pytest.raises(MemoryBudgetError, match=r"no micro-batch count searched \(1, 2, 4\)") as e:
         search_micro_batches([1, 2, 4], plan)
     assert e.value.min_budget == 25.0
+
+
+def test_a_count_that_failed_keeps_none_of_its_tables_alive_while_others_are_planned():
+    """A count whose DP found nothing raises MemoryBudgetError while handling the DP's own
+    error (as ``stage_search`` does). The search keeps the error for its report, but neither
+    it nor the error it chains to may keep that count's tables (GiBs at 1T) alive while
+    later counts are planned; only the fastest plan so far is kept."""
+
+    class Table:  # stands in for a count's cost table
+        pass
+
+    alive: dict[int, weakref.ref] = {}
+    seen_alive: dict[int, list[int]] = {}
+
+    def plan(b, beat):
+        gc.collect()
+        seen_alive[b] = sorted(c for c, ref in alive.items() if ref() is not None)
+        table = Table()
+        alive[b] = weakref.ref(table)
+        if b < 4:
+            try:
+                raise InfeasibleError("no slicing")
+            except InfeasibleError:
+                raise MemoryBudgetError(f"B={b}: nothing fits", None) from None
+        if b > 4:
+            try:
+                raise ValueError("its bound")
+            except ValueError:
+                raise Dominated(2.0, beat) from None
+        return table, 1.0
+
+    result, best, _, dominated = search_micro_batches([1, 2, 4, 8], plan)
+    assert best == 4 and [b for b, _ in dominated] == [8]
+    assert sorted(seen_alive) == [2, 4, 8] and result is alive[4]()
+    assert seen_alive == {4: [], 2: [4], 8: [4]}
 
 
 @pytest.mark.slow  # 9 s: plans every count
