@@ -93,15 +93,14 @@ class AutoStageOption:
     only 1-D. The smaller spaces plan faster and may miss the best (dp, tp).
     memory_budget: moved to ``PipeshardParallel(memory_budget=...)``, the one place a
     pipeline's per-device budget is set (setting it here is an error that says so).
-    submesh_space: "power_of_two" (the default) searches submeshes of 1, 2, 4, ... hosts
-    (and the power-of-two slices of one host), as Alpa does by default; "divisors" also
-    every host count that divides the cluster's (192 hosts: also 3, 6, 12, 24, 48, 96 and
-    192, so that 8 even stages of 24 hosts, as Megatron-LM runs GPT 145.6B, are in reach:
-    19.29 s per iteration there against 20.97 s without; on Megatron's 1T, 384 hosts, it
-    found the same plan in 252 s and 4.2 GiB against 224 s and 3.8 GiB without it, so it
-    is not the default); "all" also tries every other
-    host count (many more ILPs on large clusters); "one_host" only submeshes inside one host
-    (what the Ray runtime can run without a ``jax.distributed`` group of its hosts).
+    submesh_space: "divisors" (the default) searches submeshes of 1, 2, 4, ... hosts (and the
+    power-of-two slices of one host), as Alpa does, and also every host count that divides
+    the cluster's (192 hosts: also 3, 6, 12, 24, 48, 96 and 192, so that 8 even stages of
+    24 hosts, as Megatron-LM runs GPT 145.6B, are in reach: 19.29 s per iteration there
+    against 20.97 s without); on a power-of-two host count the two are the same.
+    "power_of_two" is Alpa's space alone; "all" also tries every other host count (many
+    more ILPs on large clusters); "one_host" only submeshes inside one host (what the Ray
+    runtime can run without a ``jax.distributed`` group of its hosts).
     refine: with individual profiling, also solve each chosen stage as one ILP in every
     config of its submesh (each logical mesh, and the ZeRO-3 column under ``memory_lean``)
     and keep the cheapest (whole-stage ILPs per distinct chosen stage: slower planning; the
@@ -121,7 +120,7 @@ class AutoStageOption:
     profiling: Profiling = "individual"
     logical_shapes: LogicalShapeSpace = "model_parallel_in_host"
     memory_budget: float | None = None
-    submesh_space: SubmeshSpace = "power_of_two"
+    submesh_space: SubmeshSpace = "divisors"
     refine: bool = False
     memory_lean: bool = True
     refine_within: float | None = None

@@ -27,18 +27,16 @@ __all__ = ["latency_floor_cells"]
 
 
 def latency_floor_cells(
-    model, starts, ends, shapes, configs, allowed, memory, cost: np.ndarray, max_succ: np.ndarray
+    model, starts, ends, shapes, configs, memory, cost: np.ndarray, max_succ: np.ndarray
 ) -> list[tuple[int, int]]:
     """Write into the DP's ``cost`` and ``max_succ`` arrays (L x L x submeshes x configs),
-    for every allowed (submesh, config), each layer range at its latency floor where it fits
+    for every searched (submesh, config), each layer range at its latency floor where it fits
     at its memory floor (``memory``: ``memory_screen``'s cells, or None without a budget:
     every range fits, with as many micro-batches in flight as there are layers); return
     those pairs."""
     L = len(starts)
     pairs = []
     for si, sub in enumerate(shapes):
-        if not allowed[si]:
-            continue
         logical = configs[si][0].shape  # every config of the submesh: the same floors
         floors = np.array([model.latency_floor(starts[k], ends[k], sub, logical) for k in range(L)])
         ranges = _range_sums(floors) + stage_launches(model, sub, logical)

@@ -23,9 +23,9 @@ from ..solvers.errors import InfeasibleError
 from ..solvers.stages import StageProblem, solve_stages
 
 
-def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, names) -> dict:
+def screen_memory(model, starts, ends, shapes, configs, budget: float, names) -> dict:
     """Raise ``InfeasibleError`` when no slicing fits ``budget`` per device even with every
-    layer at its memory floor; otherwise return, per allowed (submesh, config), which layer
+    layer at its memory floor; otherwise return, per searched (submesh, config), which layer
     ranges fit at their floors and their ``max_succ`` (the full table decides the rest).
 
     Most counts fit: an even slicing over one submesh shape that fits at the floors shows
@@ -35,8 +35,6 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
     C = max(len(c) for c in configs)
     cells: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for si, sub in enumerate(shapes):
-        if not allowed[si]:
-            continue
         for ci, (logical, layout) in enumerate(configs[si]):
             floors = np.array(
                 [model.memory_floor(starts[k], ends[k], sub, logical, layout) for k in range(L)]
@@ -54,7 +52,7 @@ def screen_memory(model, starts, ends, shapes, configs, allowed, budget: float, 
         max_succ[:, :, si, ci][fits] = succ[fits]
     problem = StageProblem(
         cluster.num_hosts, cluster.devices_per_host, cost, max_succ,
-        model.method.num_micro_batches, names,
+        model.method.num_micro_batches, names, tuple(shapes),
     )  # fmt: skip
     try:
         solve_stages(problem)

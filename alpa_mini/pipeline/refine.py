@@ -31,7 +31,6 @@ from jax.extend.core import ClosedJaxpr
 from ..cluster.spec import ClusterSpec
 from ..graph.grad_capture import GradCapture
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
-from ..solvers.stages import submesh_shapes
 from .plan import PipeshardPlan, StagePlan
 from .stage_configs import stage_configs
 from .stage_cost import StageCost, _budget, _StageModel, _with_launches
@@ -72,10 +71,7 @@ def refine_stages(
     model.refining = True
     ends = (*plan.layer_starts[1:], plan.num_equations)
     model.composed_layers = frozenset(zip(plan.layer_starts, ends, strict=True))
-    shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
-    logical, layout = stage_configs(shapes[chosen.submesh_index], method.stage_option)[
-        chosen.config_index
-    ]
+    logical, layout = stage_configs(chosen.submesh_shape, method.stage_option)[chosen.config_index]
     whole = model.cost(st.eqn_start, st.eqn_end, st.submesh, logical, layout)
     if whole is not None:
         whole = _with_launches(model, whole, st.submesh, logical)

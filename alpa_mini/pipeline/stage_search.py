@@ -87,10 +87,11 @@ LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 #: The largest stage table (cost and ``max_succ``: 16 bytes per (range, submesh, config)
 #: cell) that starts on latency floors (``latency_floors``). Each round that builds the
-#: submeshes the DP picked copies the table and re-runs the DP over it; on the largest
-#: tables (megatron-529.6b's 273 MiB, the 1T's 491 MiB) that cost more planning time than
-#: the ILPs it saved (215 -> 231 s, 168 -> 184 s) and 1.1-1.6 GiB more peak memory, so they
-#: build every pair's table at once, as before (megatron-310.1b's 174 MiB: 163 -> 149 s).
+#: submeshes the DP picked copies the table and re-runs the DP over it, which on tables of
+#: hundreds of MiB cost more planning time than the ILPs it saved (when tables had a column
+#: for every host count: megatron-529.6b's 273 MiB, 215 -> 231 s; the 1T's 491 MiB). Now
+#: that they hold the searched submeshes alone (``_searched_submeshes``), the 1T's is 27 MiB
+#: and starts on floors too (its divisors, the same plan: 249-266 -> 187 s, 2.47 -> 1.44 GiB).
 LAZY_TABLE_BYTES = 256 << 20
 
 #: Predicted seconds a plan must beat to be worth finishing: the micro-batch search's fastest
@@ -167,7 +168,7 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     method, cluster = model.method, model.cluster
     so: AutoStageOption = method.stage_option
     L = len(starts)
-    shapes = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    shapes = _searched_submeshes(cluster, so)
     configs = [stage_configs(s, so) for s in shapes]
     budget = _budget(method, cluster)
     names = _config_names(configs)
@@ -177,15 +178,14 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     model.defer_fractional = so.profiling == "individual"
     try:
         lazy = None
-        allowed = _allowed_submeshes(shapes, so.submesh_space)
         if model.defer_fractional and L * L * len(shapes) * C * 16 <= LAZY_TABLE_BYTES:
-            problem, lazy = _floor_problem(model, starts, ends, shapes, configs, allowed, names)
+            problem, lazy = _floor_problem(model, starts, ends, shapes, configs, names)
             entries, tables = {}, {}
         else:
             if model.defer_fractional and math.isfinite(budget):  # composed stages: the module
-                screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
+                screen_memory(model, starts, ends, shapes, configs, budget, names)
             entries, tables = _cost_entries(model, starts, ends, shapes, configs, so, progress)
-            problem = _stage_problem(entries, L, len(shapes), C, budget, cluster, B, names)
+            problem = _stage_problem(entries, L, shapes, C, budget, cluster, B, names)
         problem, solution = _settled_dp(
             model, problem, entries, tables, starts, ends, configs, lazy, progress
         )
@@ -239,7 +239,15 @@ def _auto_stages(model, starts, ends, sizes: tuple[float, float], progress) -> _
     return chosen
 
 
-def _floor_problem(model, starts, ends, shapes, configs, allowed, names):
+def _searched_submeshes(cluster: ClusterSpec, option: AutoStageOption) -> tuple:
+    """The submesh shapes the stage DP searches (``AutoStageOption.submesh_space``), in
+    ``submesh_shapes`` order: its table has a column for these only."""
+    every = submesh_shapes(cluster.num_hosts, cluster.devices_per_host)
+    allowed = _allowed_submeshes(every, option.submesh_space)
+    return tuple(s for s, keep in zip(every, allowed, strict=True) if keep)
+
+
+def _floor_problem(model, starts, ends, shapes, configs, names):
     """The stage DP's problem with every allowed (submesh, config) pair on its latency floors
     (``latency_floors``), once the memory screen has passed, and those pairs. (A function of
     its own, so that its working arrays and the screen's cells, GBs at Megatron's 1T, are
@@ -247,14 +255,17 @@ def _floor_problem(model, starts, ends, shapes, configs, allowed, names):
     L, cluster, budget = len(starts), model.cluster, _budget(model.method, model.cluster)
     memory = None
     if math.isfinite(budget):
-        memory = screen_memory(model, starts, ends, shapes, configs, allowed, budget, names)
+        memory = screen_memory(model, starts, ends, shapes, configs, budget, names)
     C = max(len(c) for c in configs)
     cost = np.full((L, L, len(shapes), C), np.inf)
     succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
-    lazy = latency_floor_cells(model, starts, ends, shapes, configs, allowed, memory, cost, succ)
+    lazy = latency_floor_cells(model, starts, ends, shapes, configs, memory, cost, succ)
     del memory
     B = model.method.num_micro_batches
-    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, succ, B, names), lazy
+    problem = StageProblem(
+        cluster.num_hosts, cluster.devices_per_host, cost, succ, B, names, tuple(shapes)
+    )
+    return problem, lazy
 
 
 def _settled_dp(
@@ -368,7 +379,7 @@ def _explore(model, problem, picked, entries, tables, starts, ends, configs, laz
     L = len(starts)
     subs = {si for si, ci in picked if (si, ci) not in tables}
     todo = [(si, ci) for si, ci in lazy if si in subs and (si, ci) not in tables]
-    shapes = submesh_shapes(model.cluster.num_hosts, model.cluster.devices_per_host)
+    shapes = problem.submesh_shapes
     requests = [(starts[k], ends[k], shapes[si], configs[si][ci]) for si, ci in todo
                 for k in range(L)]  # fmt: skip
     if progress:
@@ -580,14 +591,12 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     L = len(starts)
     entries: dict[tuple[int, int, int, int], StageCost] = {}
     tables: dict[tuple[int, int], _LayerTable] = {}
-    allowed = _allowed_submeshes(shapes, option.submesh_space)
-    n_cfg = sum(len(configs[si]) for si in range(len(shapes)) if allowed[si])
+    n_cfg = sum(len(c) for c in configs)
     individual = option.profiling == "individual"
     total = L * n_cfg if individual else L * (L + 1) // 2 * n_cfg
     requests = [
         (starts[i], ends[j], sub, cfg)
         for si, sub in enumerate(shapes)
-        if allowed[si]
         for cfg in configs[si]
         for i in range(L)
         for j in ([i] if individual else range(i, L))
@@ -597,8 +606,6 @@ def _cost_entries(model, starts, ends, shapes, configs, option, progress):
     model.prefetch(requests)
     done = 0
     for si, sub in enumerate(shapes):
-        if not allowed[si]:
-            continue
         for ci, (logical, layout) in enumerate(configs[si]):
             if individual:
                 _config_entries(model, starts, ends, sub, si, ci, configs, entries, tables)
@@ -641,13 +648,15 @@ def _table_entries(model, table, sub, si: int, ci: int, configs, entries) -> dic
     return fresh
 
 
-def _stage_problem(entries, L, S, C, budget, cluster, B, names) -> StageProblem:
-    """The DP's table: latency where the stage fits ``budget`` with one micro-batch in
-    flight, and how many later stages' worth of in-flight micro-batches it can hold."""
-    cost = np.full((L, L, S, C), np.inf)
-    max_succ = np.zeros((L, L, S, C), dtype=np.int64)
+def _stage_problem(entries, L, shapes, C, budget, cluster, B, names) -> StageProblem:
+    """The DP's table over the searched ``shapes``: latency where the stage fits ``budget``
+    with one micro-batch in flight, and how many later stages' worth of in-flight
+    micro-batches it can hold."""
+    cost = np.full((L, L, len(shapes), C), np.inf)
+    max_succ = np.zeros((L, L, len(shapes), C), dtype=np.int64)
     _fill_cells(cost, max_succ, entries.items(), budget)
-    return StageProblem(cluster.num_hosts, cluster.devices_per_host, cost, max_succ, B, names)
+    n, m = cluster.num_hosts, cluster.devices_per_host
+    return StageProblem(n, m, cost, max_succ, B, names, tuple(shapes))
 
 
 def _fill_cells(cost: np.ndarray, max_succ: np.ndarray, items, budget: float) -> None:
@@ -688,9 +697,7 @@ def _least_pipeline_memory(
     candidates = sorted({sc.memory(k) for sc in entries.values() for k in range(1, L + 1)})
 
     def feasible(m: float) -> bool:
-        prob = _stage_problem(
-            entries, L, len(shapes), C, m, cluster, method.num_micro_batches, names
-        )
+        prob = _stage_problem(entries, L, shapes, C, m, cluster, method.num_micro_batches, names)
         try:
             solve_stages(prob)
         except InfeasibleError:

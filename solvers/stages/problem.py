@@ -96,6 +96,43 @@ def _arrays_from_cells(shape: Any, cells: Any) -> tuple[np.ndarray, np.ndarray]:
     return cost, max_succ
 
 
+def _shape_pairs(value: Any) -> tuple[tuple[int, int], ...]:
+    """``submeshes`` as a tuple of (hosts, devices) pairs of ints."""
+    if not isinstance(value, list | tuple):
+        raise SolverInputError(f"submeshes: expected a list of [hosts, devices], got {value!r:.80}")
+    pairs = []
+    for k, pair in enumerate(value):
+        ok = isinstance(pair, list | tuple) and len(pair) == 2
+        if not ok or not all(isinstance(x, int | np.integer) and not isinstance(x, bool)
+                             for x in pair):  # fmt: skip
+            raise SolverInputError(
+                f"submeshes[{k}]: expected [hosts, devices] as two ints, got {pair!r:.80}"
+            )
+        pairs.append((int(pair[0]), int(pair[1])))
+    return tuple(pairs)
+
+
+def _checked_submeshes(value: Any, n: int, m: int) -> tuple[tuple[int, int], ...]:
+    """``submeshes``, checked to be distinct shapes of ``submesh_shapes(n, m)`` in its order
+    (increasing device count, which the DP's device windows assume)."""
+    shapes = _shape_pairs(value)
+    every = submesh_shapes(n, m)
+    where = {s: k for k, s in enumerate(every)}
+    for k, s in enumerate(shapes):
+        if s not in where:
+            raise SolverInputError(
+                f"submeshes[{k}] = {s} is not a submesh shape of {n} hosts x {m} devices; "
+                f"valid shapes: {every[:6]}{' ...' if len(every) > 6 else ''}"
+            )
+    order = [where[s] for s in shapes]
+    if not shapes or order != sorted(set(order)):
+        raise SolverInputError(
+            f"submeshes: expected distinct shapes in increasing device count (submesh_shapes "
+            f"order), at least one; got {shapes[:8]}"
+        )
+    return shapes
+
+
 def _float_array_from_nested(data: Any) -> np.ndarray:
     """A dense record's nested lists as an array (``None`` -> ``inf``)."""
     obj = np.array(data, dtype=object)
@@ -107,10 +144,12 @@ def _float_array_from_nested(data: Any) -> np.ndarray:
 class StageProblem:
     """Cost table of every (layer range, submesh, config) and the pipeline parameters.
 
-    ``cost`` and ``max_succ`` have shape ``(L, L, S, C)`` with ``S = len(submesh_shapes(N, M))``;
-    entries with ``i > j`` are ignored (stored as ``inf`` / ``0``). ``cost`` may hold ``inf``
-    (that stage does not fit) but no NaN and nothing negative; ``max_succ`` holds non-negative
-    integers. The arrays are stored as read-only float64 / int64 copies.
+    ``cost`` and ``max_succ`` have shape ``(L, L, S, C)``: ``S`` indexes ``submeshes``, the
+    shapes a planner searches (a subsequence of ``submesh_shapes(N, M)``; None: all of
+    them, as Alpa). Entries with ``i > j`` are ignored (stored as ``inf`` / ``0``). ``cost``
+    may hold ``inf`` (that stage does not fit) but no NaN and nothing negative;
+    ``max_succ`` holds non-negative integers. The arrays are stored as read-only float64 /
+    int64 copies.
     """
 
     num_hosts: int
@@ -119,6 +158,9 @@ class StageProblem:
     max_succ: np.ndarray
     num_micro_batches: int
     config_names: tuple[str, ...] | None = None
+    # Only the searched shapes get a column: a 1T model's 384 hosts have 387 shapes, of which
+    # the planner searches 12-20, and a dense table of all of them took half a GiB per count.
+    submeshes: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         n = _check_positive_int("num_hosts", self.num_hosts)
@@ -127,7 +169,9 @@ class StageProblem:
         object.__setattr__(self, "num_hosts", n)
         object.__setattr__(self, "devices_per_host", m)
         object.__setattr__(self, "num_micro_batches", b)
-        shapes = submesh_shapes(n, m)
+        if self.submeshes is not None:
+            object.__setattr__(self, "submeshes", _checked_submeshes(self.submeshes, n, m))
+        shapes = self.submesh_shapes
         cost = self._validated_cost(self.cost, len(shapes))
         max_succ = self._validated_max_succ(self.max_succ, cost.shape)
         cost.flags.writeable = False
@@ -159,7 +203,7 @@ class StageProblem:
         if cost.shape[2] != num_submeshes or cost.shape[3] < 1:
             raise SolverInputError(
                 f"cost.shape[2:] must be (S, C) = ({num_submeshes}, >= 1): S is the number of "
-                f"submesh_shapes for this cluster; got {cost.shape[2:]}"
+                f"submeshes (all submesh_shapes of the cluster where None); got {cost.shape[2:]}"
             )
         num_layers = cost.shape[0]
         lower = np.tril(np.ones((num_layers, num_layers), dtype=bool), -1)
@@ -227,6 +271,8 @@ class StageProblem:
     @property
     def submesh_shapes(self) -> tuple[tuple[int, int], ...]:
         """The submesh shapes indexed by ``cost``'s third axis."""
+        if self.submeshes is not None:
+            return self.submeshes
         return submesh_shapes(self.num_hosts, self.devices_per_host)
 
     @property
@@ -260,6 +306,7 @@ class StageProblem:
             and self.devices_per_host == other.devices_per_host
             and self.num_micro_batches == other.num_micro_batches
             and self.config_names == other.config_names
+            and self.submesh_shapes == other.submesh_shapes
             and self.cost.shape == other.cost.shape
             and bool(np.array_equal(self.cost, other.cost))
             and bool(np.array_equal(self.max_succ, other.max_succ))
@@ -281,6 +328,7 @@ class StageProblem:
             "devices_per_host": self.devices_per_host,
             "num_micro_batches": self.num_micro_batches,
             "config_names": None if self.config_names is None else list(self.config_names),
+            "submeshes": None if self.submeshes is None else [list(s) for s in self.submeshes],
             "shape": list(self.cost.shape),
             "cells": [[*at, cost, succ] for at, cost, succ in cells],
         }
@@ -292,8 +340,9 @@ class StageProblem:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageProblem:
         """Inverse of :meth:`to_dict`; also reads the dense ``cost`` / ``max_succ`` nested
-        lists that records written before the sparse form hold."""
-        names = data.get("config_names")
+        lists that records written before the sparse form hold (and, without
+        ``submeshes``, a table over every submesh shape, as records before it)."""
+        names, submeshes = data.get("config_names"), data.get("submeshes")
         if "cells" in data:
             cost, max_succ = _arrays_from_cells(data.get("shape"), data["cells"])
         else:
@@ -306,6 +355,7 @@ class StageProblem:
             max_succ=max_succ,
             num_micro_batches=data["num_micro_batches"],
             config_names=None if names is None else tuple(names),
+            submeshes=None if submeshes is None else _shape_pairs(submeshes),
         )
 
     @classmethod

@@ -16,7 +16,7 @@ def explore_every_pair(monkeypatch) -> None:
 
     def zero(*args, **kwargs):
         pairs = real(*args, **kwargs)
-        cost = args[-2] if len(args) >= 9 else kwargs["cost"]
+        cost = args[-2] if len(args) >= 8 else kwargs["cost"]
         for si, ci in pairs:
             cell = cost[:, :, si, ci]
             cell[np.isfinite(cell)] = 0.0

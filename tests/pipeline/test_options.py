@@ -85,7 +85,7 @@ def test_an_uneven_default_split_names_the_stage_count() -> None:
 
 
 def test_submesh_spaces_name_the_host_counts_they_search() -> None:
-    """192 hosts of 8: powers of two up to 128 (the default), and with "divisors" every host
+    """192 hosts of 8: powers of two up to 128, and with "divisors" (the default) every host
     count dividing 192, so Megatron-LM's 8 stages of 24 hosts are in reach."""
     from alpa_mini.pipeline.stage_configs import _allowed_submeshes
     from alpa_mini.solvers.stages import submesh_shapes
@@ -96,7 +96,7 @@ def test_submesh_spaces_name_the_host_counts_they_search() -> None:
         allowed = _allowed_submeshes(shapes, space)
         return sorted({h for (h, d), ok in zip(shapes, allowed, strict=True) if ok and d == 8})
 
-    assert AutoStageOption().submesh_space == "power_of_two"
+    assert AutoStageOption().submesh_space == "divisors"
     assert hosts("power_of_two") == [1, 2, 4, 8, 16, 32, 64, 128]
     assert hosts("divisors") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192]
     assert hosts("all") == list(range(1, 193))

@@ -37,7 +37,7 @@ def check_solution(problem: StageProblem, solution: StageSolution) -> float:
     assert stages[-1].layer_end == problem.num_layers - 1
     for a, b in itertools.pairwise(stages):
         assert b.layer_start == a.layer_end + 1
-    shapes = submesh_shapes(problem.num_hosts, problem.devices_per_host)
+    shapes = problem.submesh_shapes
     assert sum(shapes[s.submesh_index][0] * shapes[s.submesh_index][1] for s in stages) == (
         problem.num_hosts * problem.devices_per_host
     )
@@ -321,6 +321,70 @@ def test_problem_json_round_trip() -> None:
     assert again == problem
     assert again.config_names == problem.config_names
     assert solve_stages(again).objective == solve_stages(problem).objective
+
+
+def _searching(problem: StageProblem, keep: list[bool]) -> StageProblem:
+    """``problem``'s table over the submeshes ``keep`` marks only."""
+    shapes = tuple(s for s, k in zip(problem.submesh_shapes, keep, strict=True) if k)
+    return StageProblem(
+        problem.num_hosts, problem.devices_per_host, problem.cost[:, :, keep],
+        problem.max_succ[:, :, keep], problem.num_micro_batches, problem.config_names, shapes,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_table_over_some_submeshes_solves_as_the_full_table_with_the_rest_unfit(seed):
+    """A planner searching some submesh shapes gives the DP their columns alone: the same
+    optimum (objective, layer ranges, shapes, configs) as the full table with every other
+    column unfit, and brute force's, and the stages name their shapes in the full list."""
+    full = random_stage_problem(5, 4, 4, num_configs=2, num_micro_batches=6, seed=seed)
+    rng = np.random.default_rng(seed)
+    keep = list(rng.random(len(full.submesh_shapes)) < 0.6)
+    keep[-1] = True  # (4, 4): one stage over the cluster keeps some slicing feasible
+    compact = _searching(full, keep)
+    cost = np.where(np.array(keep)[None, None, :, None], full.cost, np.inf)
+    masked = StageProblem(4, 4, cost, full.max_succ, 6, full.config_names)
+    got, want = solve_stages(compact), solve_stages(masked)
+    assert math.isclose(got.objective, want.objective, rel_tol=1e-12)
+    assert math.isclose(got.objective, brute_force_stages(compact).objective, rel_tol=1e-12)
+    check_solution(compact, got)
+    key = [(s.layer_start, s.layer_end, s.submesh_shape, s.config_index) for s in got.stages]
+    assert key == [(s.layer_start, s.layer_end, s.submesh_shape, s.config_index)
+                   for s in want.stages]  # fmt: skip
+    assert compact.cost.shape[2] == sum(keep) < len(submesh_shapes(4, 4))
+
+
+def test_a_table_over_some_submeshes_round_trips_and_records_without_them_read_as_all():
+    full = random_stage_problem(5, 2, 4, num_configs=3, num_micro_batches=7, seed=11)
+    compact = _searching(full, [True, False, True, True])
+    again = StageProblem.from_json(compact.to_json())
+    assert again == compact and again.submesh_shapes == ((1, 1), (1, 4), (2, 4))
+    assert compact != _searching(full, [True, True, False, True])  # same shape, not equal
+    record = full.to_dict()
+    assert record["submeshes"] is None and StageProblem.from_dict(record) == full
+    del record["submeshes"]  # written before the field
+    assert StageProblem.from_dict(record).submesh_shapes == submesh_shapes(2, 4)
+
+
+@pytest.mark.parametrize(
+    ("submeshes", "pattern"),
+    [
+        (((1, 1), (3, 4)), r"submeshes\[1\] = \(3, 4\) is not a submesh shape of 2 hosts x 4"),
+        (((2, 4), (1, 1)), r"distinct shapes in increasing device count"),
+        (((1, 1), (1, 1)), r"distinct shapes in increasing device count"),
+        ((), r"at least one"),
+        (((1, 1), (2, True)), r"submeshes\[1\]: expected \[hosts, devices\] as two ints"),
+        ("(1, 1)", r"submeshes: expected a list of \[hosts, devices\], got '\(1, 1\)'"),
+        (((1, 1), (2, 4), (1, 4)), r"increasing device count"),
+    ],
+)
+def test_submeshes_are_shapes_of_the_cluster_in_order(submeshes, pattern):
+    with pytest.raises(SolverInputError, match=pattern):
+        StageProblem(2, 4, np.ones((2, 2, 2, 1)), np.zeros((2, 2, 2, 1), np.int64), 4,
+                     submeshes=submeshes)  # fmt: skip
+    with pytest.raises(SolverInputError, match=r"cost\.shape\[2:\] must be \(S, C\) = \(2,"):
+        StageProblem(2, 4, np.ones((2, 2, 3, 1)), np.zeros((2, 2, 3, 1), np.int64), 4,
+                     submeshes=((1, 1), (2, 4)))  # fmt: skip
 
 
 def test_problem_records_hold_only_the_cells_that_are_set() -> None:
