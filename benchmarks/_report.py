@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -65,8 +66,12 @@ GRAPH_MODEL = "dead code dropped"
 #: links of the smaller mesh's hosts, which send their shards at once ("host-parallel":
 #: ``alpa_mini/pipeline/simulate.py: chain_timings``); rows without the field sent them over
 #: one link, 18-24% dearer on gpt3-175b's and megatron-145.6b's plans. A plan of one stage
-#: hands nothing on, so its seconds are the same under either.
+#: hands nothing on, and one whose every boundary has a side inside one host sends each hop
+#: over one link under either (min(hosts) = 1), so their seconds are the same under both.
 TRANSFER_MODEL = "host-parallel"
+
+#: GPUs per host of the benchmarks' clusters (``dgx-a100``; fewer GPUs make one host).
+HOST_GPUS = 8
 
 #: What a plan's seconds were priced with: (stage graphs, transfer model or None).
 Pricing = tuple[str | None, str | None]
@@ -75,14 +80,32 @@ Pricing = tuple[str | None, str | None]
 OTHER_PRICING = "other pricing"
 
 
-def pricing(row: dict[str, Any], stages: int | None, prefix: str = "") -> Pricing:
+def pricing(
+    row: dict[str, Any], stages: int | None, prefix: str = "", hosts: list[int] | None = None
+) -> Pricing:
     """What a plan's simulated seconds in ``row`` depend on besides the plan: the stage graphs
     (``GRAPH_MODEL``) and, for a plan of several stages (``stages``; None: unknown), the
-    transfer model (``TRANSFER_MODEL``). ``prefix`` picks a side's fields (``"ours_"``),
-    falling back to the row's own."""
+    transfer model (``TRANSFER_MODEL``), unless ``hosts`` (each stage's host count, where
+    known) shows every boundary has a side inside one host, where both models price a hop
+    alike. ``prefix`` picks a side's fields (``"ours_"``), falling back to the row's own."""
     graphs = row.get(prefix + "graph_model", row.get("graph_model"))
     transfers = row.get(prefix + "transfer_model", row.get("transfer_model", "one link"))
-    return graphs, None if stages == 1 else transfers
+    alike = hosts is not None and all(min(a, b) <= 1 for a, b in itertools.pairwise(hosts))
+    return graphs, None if stages == 1 or alike else transfers
+
+
+def even_hosts(gpus: int | None, pp: int | None) -> list[int] | None:
+    """The hosts each of ``pp`` equal stages spans on ``gpus`` GPUs (1 inside one host), or
+    None where either is unknown."""
+    return None if not pp or not gpus else [max(1, gpus // pp // HOST_GPUS)] * pp
+
+
+def plan_hosts(stages: list | None) -> list[int] | None:
+    """The hosts each stage of a recorded plan spans (``[first, last, [hosts, devices],
+    mesh]`` per stage), or None where they were not recorded."""
+    if not stages or any(len(s) < 3 for s in stages):
+        return None
+    return [int(s[2][0]) for s in stages]
 
 
 def comparable(a: Pricing, b: Pricing) -> bool:

@@ -32,7 +32,9 @@ from ._report import (
     TRANSFER_MODEL,
     Pricing,
     comparable,
+    even_hosts,
     memory_label,
+    plan_hosts,
     pricing,
     update_section,
 )
@@ -136,6 +138,8 @@ def row(model: str) -> dict[str, Any]:
         **result,
         "micro_batches": plan.num_micro_batches,
         "stages": plan.num_stages,
+        # (which decides whether its transfers price alike under every model: _report.pricing)
+        "stage_hosts": [st.submesh[0] for st in plan.stages],
         "predicted_s": plan.predicted_time,
         # As the plan-quality and Megatron tables time every plan (transfers between stages
         # on the links); inf where the schedule's micro-batches in flight overflow a device.
@@ -166,7 +170,8 @@ def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
         for b in r.get("baselines") or []:
             pp = (b.get("config") or {}).get("pp")
             # a baseline kept from an earlier run carries its own transfer model
-            add(r["model"], b.get("time"), b["name"], pricing({**r, **b}, pp))
+            hosts = even_hosts(r.get("gpus"), pp)
+            add(r["model"], b.get("time"), b["name"], pricing({**r, **b}, pp, hosts=hosts))
     for path in (TUNED, QUALITY):
         for r in _load(path):
             if r.get("our_space") == "defaults":  # the defaults themselves
@@ -174,13 +179,16 @@ def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
             ours = r.get("ours")
             t = ours.get("time") if isinstance(ours, dict) else ours
             stages = ours.get("stages") if isinstance(ours, dict) else None
-            add(r["model"], t, "tuned", pricing(r, len(stages) if stages else None, "ours_"))
+            count, hosts = (len(stages) if stages else None), plan_hosts(stages)
+            add(r["model"], t, "tuned", pricing(r, count, "ours_", hosts))
     for r in _load(MEGATRON):
         pp = r["published"]["pp"]
-        add(r["model"], r.get("theirs"), "megatron published", pricing(r, pp))
-        add(r["model"], r.get("megatron_lm"), "megatron-lm", pricing(r, pp))
-        mine = (r.get("our_choice") or {}).get("pp")
-        add(r["model"], r.get("ours"), "tuned", pricing(r, mine, "ours_"))
+        theirs = pricing(r, pp, hosts=even_hosts(r.get("gpus"), pp))
+        add(r["model"], r.get("theirs"), "megatron published", theirs)
+        add(r["model"], r.get("megatron_lm"), "megatron-lm", theirs)
+        mine = r.get("our_choice") or {}
+        hosts = plan_hosts(mine.get("stages"))
+        add(r["model"], r.get("ours"), "tuned", pricing(r, mine.get("pp"), "ours_", hosts))
     return found
 
 
@@ -189,7 +197,7 @@ def best_other(row: dict[str, Any], found: list[tuple[float, str, Pricing]]) -> 
     setting found and priced as the row's own (``_report.pricing``), and defaults / that
     (target 1.02), both timed by the pipeline simulator (rows run before it was read say so).
     Plans priced otherwise are left out; the cell counts them."""
-    mine = pricing(row, row.get("stages"))
+    mine = pricing(row, row.get("stages"), hosts=row.get("stage_hosts"))
     same = [f for f in found if comparable(f[2], mine)]
     if not same:
         return f"– | – ({OTHER_PRICING})" if found else "– | –"
@@ -233,7 +241,8 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         t = theirs[r["model"]]
         pub = t["published"]
         ours = r.get("simulated_s")
-        if not comparable(pricing(r, r.get("stages")), pricing(t, pub["pp"])):
+        mine = pricing(r, r.get("stages"), hosts=r.get("stage_hosts"))
+        if not comparable(mine, pricing(t, pub["pp"], hosts=even_hosts(t.get("gpus"), pub["pp"]))):
             said = f"– ({OTHER_PRICING})"
         elif ours is None:
             said = "– (not simulated)"
@@ -263,10 +272,11 @@ SIM_NOTE = (
 #: Why a ratio is left out: the two sides were priced differently.
 PRICING_NOTE = (
     "one side was priced on stage graphs with dead code (before 2026-11-28, evening, 2-6% "
-    "more per GPT or MoE stage: `_report.GRAPH_MODEL`), or, for a plan of several stages, "
-    "with the transfers between stages over one link (before 2026-11-29, afternoon: "
-    "`_report.TRANSFER_MODEL`), the other not; such seconds are not compared until that "
-    "side is re-run."
+    "more per GPT or MoE stage: `_report.GRAPH_MODEL`), or, for a plan of several stages "
+    "two neighbours of which both span several hosts, with the transfers between stages "
+    "over one link (before 2026-11-29, afternoon: `_report.TRANSFER_MODEL`; where a side of "
+    "every boundary sits in one host, both models send each hop over one link), the other "
+    "not; such seconds are not compared until that side is re-run."
 )
 
 

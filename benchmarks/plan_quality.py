@@ -34,8 +34,11 @@ from benchmarks._report import (
     RESULTS,
     TRANSFER_MODEL,
     earlier_rows,
+    even_hosts,
     memory_label,
     not_rerun,
+    plan_hosts,
+    pricing,
     progress,
     run_child,
     update_section,
@@ -534,22 +537,26 @@ def _baseline_names(text: str, family: str) -> tuple[str, ...] | None:
 
 
 def one_link(r: dict[str, Any]) -> list[str]:
-    """The sides of row ``r`` whose plans of several stages were priced with the transfers
-    between stages over one link (``_report.TRANSFER_MODEL``), so their seconds are dearer
-    than those priced since."""
-    links = r.get("transfer_model", "one link")
-    out = [
-        b["name"]
-        for b in r.get("baselines") or []
-        if math.isfinite(b.get("time", math.inf))  # (one that did not fit has no seconds)
-        and (b.get("config") or {}).get("pp", 2) > 1
-        and b.get("transfer_model", links) != TRANSFER_MODEL
-    ]
+    """The sides of row ``r`` whose plans were priced with the transfers between stages over
+    one link (``_report.TRANSFER_MODEL``) where that differs: several stages, two
+    neighbours of which both span several hosts (``_report.pricing``). Their seconds are
+    dearer than those priced since."""
+    out = []
+    for b in r.get("baselines") or []:
+        pp = (b.get("config") or {}).get("pp")  # (unknown: as if several stages)
+        priced = pricing({**r, **b}, pp, hosts=even_hosts(r.get("gpus"), pp))
+        if math.isfinite(b.get("time", math.inf)) and _stale(priced):  # (no fit: no seconds)
+            out.append(b["name"])
     ours = r.get("ours") if isinstance(r.get("ours"), dict) else {}
-    several = len(ours.get("stages") or [0, 0]) > 1  # (unknown: as if several)
-    if several and r.get("ours_transfer_model", links) != TRANSFER_MODEL:
+    stages = ours.get("stages")
+    if _stale(pricing(r, len(stages) if stages else None, "ours_", plan_hosts(stages))):
         out.append("ours")
     return out
+
+
+def _stale(priced: tuple[str | None, str | None]) -> bool:
+    """Whether seconds priced so (``_report.pricing``) depend on an old transfer model."""
+    return priced[1] is not None and priced[1] != TRANSFER_MODEL
 
 
 def _merged(result: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:

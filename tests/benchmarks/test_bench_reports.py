@@ -466,3 +466,44 @@ def test_seconds_of_several_stages_compare_only_under_the_same_transfer_model(
     # the plan-quality row names its sides of several stages still priced over one link
     assert one_link({**quality[0], "ours": {"stages": [[0, 1], [1, 2]]}}) == ["pp-dp", "ours"]
     assert one_link({**quality[0], "ours": {"stages": [[0, 2]]}}) == ["pp-dp"]
+
+
+def test_transfers_price_alike_where_every_boundary_has_a_side_inside_one_host(
+    tmp_path, monkeypatch
+):
+    """Host-parallel transfers split a hop over min(hosts of its two meshes) links: one link,
+    as before, wherever a side sits inside one host. So a plan whose every boundary has such
+    a side compares under either model; one with two multi-host neighbours does not."""
+    import json
+
+    from benchmarks import default_plans
+    from benchmarks._report import TRANSFER_MODEL, even_hosts, plan_hosts, pricing
+    from benchmarks.plan_quality import one_link
+
+    old = {"graph_model": "g"}
+    assert pricing(old, 4, hosts=[1, 1, 1, 1]) == ("g", None)
+    assert pricing(old, 3, hosts=[2, 1, 4]) == ("g", None)
+    assert pricing(old, 2, hosts=[2, 4]) == ("g", "one link")
+    assert even_hosts(64, 2) == [4, 4] and even_hosts(16, 4) == [1] * 4
+    assert even_hosts(None, 2) is None and even_hosts(64, None) is None
+    assert plan_hosts([[0, 3, [2, 8], [16]], [4, 7, [1, 4], [4]]]) == [2, 1]
+    assert plan_hosts([[0, 1], [2, 3]]) is None and plan_hosts(None) is None
+    quality = [
+        {"model": "gpt-x", "gpus": 32, **old, "baselines": [
+            {"name": "pp-dp", "time": 9.0, "config": {"pp": 4}},  # 1 host a stage: alike
+            {"name": "strong-grid", "time": 8.0, "config": {"pp": 2}},  # 2 hosts each: not
+        ]},
+    ]  # fmt: skip
+    for name, rows in (("QUALITY", quality), ("TUNED", []), ("MEGATRON", [])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(rows))
+        monkeypatch.setattr(default_plans, name, path)
+    x = dict(DEFAULTS_ROW, stages=2, simulated_s=9.9, transfer_model=TRANSFER_MODEL, **old)
+    text = default_plans.to_markdown([x], "x")
+    assert "9.00 (pp-dp; left out: 1 priced otherwise) | 1.100 |" in text
+    assert one_link({**quality[0], "ours": {"stages": [[0, 3, [2, 8], [16]]] * 2}}) == [
+        "strong-grid", "ours"
+    ]  # fmt: skip
+    assert one_link({**quality[0], "ours": {"stages": [[0, 3, [1, 8], [8]]] * 2}}) == [
+        "strong-grid"
+    ]
