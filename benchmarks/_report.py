@@ -70,6 +70,13 @@ GRAPH_MODEL = "dead code dropped"
 #: over one link under either (min(hosts) = 1), so their seconds are the same under both.
 TRANSFER_MODEL = "host-parallel"
 
+#: Planning times published for rows of these tables (as issue 4 quotes them), to read
+#: beside ours.
+PUBLISHED_PLANNING = {
+    "gpt-1.3b": "Alpa 4092 s (profiling), Aceso 99 s",
+    "gpt-39b": "Alpa ~2400 s",
+}
+
 #: GPUs per host of the benchmarks' clusters (``dgx-a100``; fewer GPUs make one host).
 HOST_GPUS = 8
 

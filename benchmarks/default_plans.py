@@ -29,6 +29,7 @@ from ._report import (
     GRAPH_MODEL,
     MEMORY_MODEL,
     OTHER_PRICING,
+    PUBLISHED_PLANNING,
     TRANSFER_MODEL,
     Pricing,
     comparable,
@@ -357,7 +358,21 @@ def to_markdown(results: list[dict[str, Any]], when: str) -> str:
         lines += ["", f"{unlike} rows not compared with another setting: {PRICING_NOTE}"]
     if unsimulated:
         lines += ["", f"{unsimulated} rows not compared with another setting: {SIM_NOTE}"]
-    return "\n".join(lines + published_lines(results))
+    return "\n".join(lines + planning_lines(results) + published_lines(results))
+
+
+def planning_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The rows' planning seconds and peak RSS beside the planning times published for the
+    same rows (``_report.PUBLISHED_PLANNING``)."""
+    said = [
+        f"{r['model']}: defaults {r['planning_s']:.1f} s and {r['peak_rss_gib']:.2f} GiB "
+        f"against {PUBLISHED_PLANNING[r['model']]}"
+        for r in results
+        if r["model"] in PUBLISHED_PLANNING and "error" not in r and r.get("peak_rss_gib")
+    ]
+    if not said:
+        return []
+    return ["", "Published planning times beside the defaults': " + "; ".join(said) + "."]
 
 
 def _default_sync() -> str:

@@ -248,7 +248,7 @@ def _searched_submeshes(cluster: ClusterSpec, option: AutoStageOption) -> tuple:
 
 
 def _floor_problem(model, starts, ends, shapes, configs, names):
-    """The stage DP's problem with every allowed (submesh, config) pair on its latency floors
+    """The stage DP's problem with every searched (submesh, config) pair on its latency floors
     (``latency_floors``), once the memory screen has passed, and those pairs. (A function of
     its own, so that its working arrays and the screen's cells, GBs at Megatron's 1T, are
     freed before the DP runs.)"""

@@ -103,8 +103,8 @@ def _shape_pairs(value: Any) -> tuple[tuple[int, int], ...]:
     pairs = []
     for k, pair in enumerate(value):
         ok = isinstance(pair, list | tuple) and len(pair) == 2
-        if not ok or not all(isinstance(x, int | np.integer) and not isinstance(x, bool)
-                             for x in pair):  # fmt: skip
+        ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in pair)
+        if not ok:
             raise SolverInputError(
                 f"submeshes[{k}]: expected [hosts, devices] as two ints, got {pair!r:.80}"
             )

@@ -507,3 +507,19 @@ def test_transfers_price_alike_where_every_boundary_has_a_side_inside_one_host(
     assert one_link({**quality[0], "ours": {"stages": [[0, 3, [1, 8], [8]]] * 2}}) == [
         "strong-grid"
     ]
+
+
+def test_the_defaults_table_reads_planning_beside_the_published_times():
+    from benchmarks import default_plans
+
+    rows = [
+        dict(DEFAULTS_ROW, model="gpt-1.3b", planning_s=6.84, peak_rss_gib=0.264),
+        dict(DEFAULTS_ROW, model="gpt-39b", error="timed out"),
+        dict(DEFAULTS_ROW, model="gpt-2.6b", planning_s=15.0, peak_rss_gib=0.36),
+    ]
+    assert default_plans.planning_lines(rows) == [
+        "",
+        "Published planning times beside the defaults': gpt-1.3b: defaults 6.8 s and 0.26 GiB "
+        "against Alpa 4092 s (profiling), Aceso 99 s.",
+    ]
+    assert default_plans.planning_lines(rows[1:]) == []
