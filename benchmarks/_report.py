@@ -115,6 +115,17 @@ def plan_hosts(stages: list | None) -> list[int] | None:
     return [int(s[2][0]) for s in stages]
 
 
+def even_pricing(row: dict[str, Any], pp: int | None, prefix: str = "") -> Pricing:
+    """``pricing`` of a plan of ``pp`` equal stages over ``row``'s GPUs (a baseline's grid
+    point, Megatron-LM's published configuration)."""
+    return pricing(row, pp, prefix, even_hosts(row.get("gpus"), pp))
+
+
+def plan_pricing(row: dict[str, Any], stages: list | None, prefix: str = "") -> Pricing:
+    """``pricing`` of a recorded plan's ``stages`` (``plan_hosts``; None: not recorded)."""
+    return pricing(row, len(stages) if stages else None, prefix, plan_hosts(stages))
+
+
 def comparable(a: Pricing, b: Pricing) -> bool:
     """Whether seconds priced as ``a`` and ``b`` (``pricing``) compare: the same stage graphs,
     and the same transfer model unless one plan has no transfers."""

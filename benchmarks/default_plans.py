@@ -33,9 +33,9 @@ from ._report import (
     TRANSFER_MODEL,
     Pricing,
     comparable,
-    even_hosts,
+    even_pricing,
     memory_label,
-    plan_hosts,
+    plan_pricing,
     pricing,
     update_section,
 )
@@ -171,8 +171,7 @@ def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
         for b in r.get("baselines") or []:
             pp = (b.get("config") or {}).get("pp")
             # a baseline kept from an earlier run carries its own transfer model
-            hosts = even_hosts(r.get("gpus"), pp)
-            add(r["model"], b.get("time"), b["name"], pricing({**r, **b}, pp, hosts=hosts))
+            add(r["model"], b.get("time"), b["name"], even_pricing({**r, **b}, pp))
     for path in (TUNED, QUALITY):
         for r in _load(path):
             if r.get("our_space") == "defaults":  # the defaults themselves
@@ -180,16 +179,13 @@ def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
             ours = r.get("ours")
             t = ours.get("time") if isinstance(ours, dict) else ours
             stages = ours.get("stages") if isinstance(ours, dict) else None
-            count, hosts = (len(stages) if stages else None), plan_hosts(stages)
-            add(r["model"], t, "tuned", pricing(r, count, "ours_", hosts))
+            add(r["model"], t, "tuned", plan_pricing(r, stages, "ours_"))
     for r in _load(MEGATRON):
         pp = r["published"]["pp"]
-        theirs = pricing(r, pp, hosts=even_hosts(r.get("gpus"), pp))
-        add(r["model"], r.get("theirs"), "megatron published", theirs)
-        add(r["model"], r.get("megatron_lm"), "megatron-lm", theirs)
-        mine = r.get("our_choice") or {}
-        hosts = plan_hosts(mine.get("stages"))
-        add(r["model"], r.get("ours"), "tuned", pricing(r, mine.get("pp"), "ours_", hosts))
+        add(r["model"], r.get("theirs"), "megatron published", even_pricing(r, pp))
+        add(r["model"], r.get("megatron_lm"), "megatron-lm", even_pricing(r, pp))
+        mine = (r.get("our_choice") or {}).get("stages")
+        add(r["model"], r.get("ours"), "tuned", plan_pricing(r, mine, "ours_"))
     return found
 
 
@@ -243,7 +239,7 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         pub = t["published"]
         ours = r.get("simulated_s")
         mine = pricing(r, r.get("stages"), hosts=r.get("stage_hosts"))
-        if not comparable(mine, pricing(t, pub["pp"], hosts=even_hosts(t.get("gpus"), pub["pp"]))):
+        if not comparable(mine, even_pricing(t, pub["pp"])):
             said = f"– ({OTHER_PRICING})"
         elif ours is None:
             said = "– (not simulated)"

@@ -43,11 +43,10 @@ from benchmarks._report import (
     TRANSFER_MODEL,
     comparable,
     earlier_rows,
-    even_hosts,
+    even_pricing,
     memory_label,
     not_rerun,
-    plan_hosts,
-    pricing,
+    plan_pricing,
     progress,
     run_child,
     update_section,
@@ -322,9 +321,8 @@ def to_markdown(results: list[dict[str, Any]], command: str, wall: float, earlie
         )
         activations = "recomputed" if r.get("recomputed") else "stored"
         # Our plan kept from a run priced otherwise is not compared (``_report.pricing``).
-        hosts = plan_hosts((o or {}).get("stages"))
-        ours = pricing(r, None if o is None else o["pp"], "ours_", hosts)
-        same = comparable(ours, pricing(r, p["pp"], hosts=even_hosts(r.get("gpus"), p["pp"])))
+        ours = plan_pricing(r, (o or {}).get("stages"), "ours_")
+        same = comparable(ours, even_pricing(r, p["pp"]))
         both = math.isfinite(r["theirs"]) and math.isfinite(r["ours"])
         ratio = (f"{r['ours'] / r['theirs']:.3f}" if same else OTHER_CELL) if both else "–"
         sync = _sync_text(r)

@@ -34,11 +34,10 @@ from benchmarks._report import (
     RESULTS,
     TRANSFER_MODEL,
     earlier_rows,
-    even_hosts,
+    even_pricing,
     memory_label,
     not_rerun,
-    plan_hosts,
-    pricing,
+    plan_pricing,
     progress,
     run_child,
     update_section,
@@ -544,12 +543,11 @@ def one_link(r: dict[str, Any]) -> list[str]:
     out = []
     for b in r.get("baselines") or []:
         pp = (b.get("config") or {}).get("pp")  # (unknown: as if several stages)
-        priced = pricing({**r, **b}, pp, hosts=even_hosts(r.get("gpus"), pp))
+        priced = even_pricing({**r, **b}, pp)
         if math.isfinite(b.get("time", math.inf)) and _stale(priced):  # (no fit: no seconds)
             out.append(b["name"])
     ours = r.get("ours") if isinstance(r.get("ours"), dict) else {}
-    stages = ours.get("stages")
-    if _stale(pricing(r, len(stages) if stages else None, "ours_", plan_hosts(stages))):
+    if _stale(plan_pricing(r, ours.get("stages"), "ours_")):
         out.append("ours")
     return out
 
