@@ -189,12 +189,17 @@ def other_settings() -> dict[str, list[tuple[float, str, Pricing]]]:
     return found
 
 
+def _own_pricing(row: dict[str, Any]) -> Pricing:
+    """``_report.pricing`` of a defaults row's own plan (its stages' hosts, where recorded)."""
+    return pricing(row, row.get("stages"), hosts=row.get("stage_hosts"))
+
+
 def best_other(row: dict[str, Any], found: list[tuple[float, str, Pricing]]) -> str:
     """The table's *best other* and *ratio* cells of a defaults row: the fastest plan another
     setting found and priced as the row's own (``_report.pricing``), and defaults / that
     (target 1.02), both timed by the pipeline simulator (rows run before it was read say so).
     Plans priced otherwise are left out; the cell counts them."""
-    mine = pricing(row, row.get("stages"), hosts=row.get("stage_hosts"))
+    mine = _own_pricing(row)
     same = [f for f in found if comparable(f[2], mine)]
     if not same:
         return f"– | – ({OTHER_PRICING})" if found else "– | –"
@@ -238,8 +243,7 @@ def published_lines(results: list[dict[str, Any]]) -> list[str]:
         t = theirs[r["model"]]
         pub = t["published"]
         ours = r.get("simulated_s")
-        mine = pricing(r, r.get("stages"), hosts=r.get("stage_hosts"))
-        if not comparable(mine, even_pricing(t, pub["pp"])):
+        if not comparable(_own_pricing(r), even_pricing(t, pub["pp"])):
             said = f"– ({OTHER_PRICING})"
         elif ours is None:
             said = "– (not simulated)"
