@@ -139,6 +139,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 #: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
 BENCHMARKS = {
     "calibration": "calibration",
+    "compute-floor": "compute_floor",
     "default-plans": "default_plans",
     "megatron": "megatron_compare",
     "plan-quality": "plan_quality",

@@ -33,6 +33,7 @@ from ..runtime.instructions import format_stream, program_runs
 from ..runtime.local import InstructionTiming, LocalRuntime
 from ..shard.executable import dynamic_leaves
 from ..shard.solve_pool import session_pool, solve_session
+from .latency_floors import step_floor
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .micro_batch_search import micro_batch_candidates, search_micro_batches
 from .plan import PipeshardPlan, ScanSplit
@@ -57,6 +58,7 @@ __all__ = [
     "split_leaf_indices",
     "stage_lowerings",
     "trace_step",
+    "traced_floor",
 ]
 
 
@@ -581,6 +583,19 @@ def trace_step(
 ) -> tuple:
     """The step's jaxpr with ``alpa_mini.grad`` captured, its capture and the flat forward."""
     return _traced_parts(trace_with_grads(fun, avals, roles, num_micro_batches, "pipeline"))
+
+
+def traced_floor(
+    fun: Callable[..., Any],
+    avals: list[Any],
+    roles: Sequence[str],
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+) -> float:
+    """``latency_floors.step_floor`` of the step traced with one micro-batch, cut into layers
+    by ``method.layer_option``: the seconds per iteration no plan of it beats on ``cluster``."""
+    _, _, capture, forward = trace_step(fun, avals, roles, 1)
+    return step_floor(forward, capture, cluster, method, _sizes(avals, roles))
 
 
 def _traced_parts(traced: TracedStep) -> tuple:

@@ -21,9 +21,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from .stage_cost import stage_launches
+from .layers import layer_starts
+from .stage_cost import _StageModel, stage_launches
 
-__all__ = ["latency_floor_cells"]
+__all__ = ["latency_floor_cells", "step_floor"]
+
+
+def step_floor(forward, capture, cluster, method, sizes: tuple[float, float]) -> float:
+    """Seconds per iteration that no pipeshard plan of this step beats on ``cluster`` under
+    the cost model, traced with one micro-batch (``forward``, ``capture``): every layer's
+    latency floor on all the cluster's devices, summed.
+
+    A plan runs its slowest stage once per micro-batch, and that stage's latency is at least
+    its layers' floors on its own ``n_s`` devices, ``W_s / n_s``; since ``max_s W_s / n_s >=
+    sum_s W_s / sum_s n_s``, B micro-batches take at least B times the step's work per
+    micro-batch over all N devices. That work is affine in a micro-batch's rows (flops and
+    activations scale with them; weights are read once per micro-batch), so B times it is
+    least at B = 1: the whole batch's work over N devices. Collectives, resharding, bubbles,
+    recomputation, launches (left out: a profile's overhead may differ per device count) and
+    the optimiser update only add to it. (``sizes``: the step's optimiser-state and parameter
+    bytes, as ``plan_pipeline`` takes them.)"""
+    starts = layer_starts(forward, method.layer_option)
+    ends = (*starts[1:], len(forward.jaxpr.eqns))
+    model = _StageModel(forward, capture, cluster, method, *sizes)
+    model.composed_layers = frozenset(zip(starts, ends, strict=True))
+    whole = (cluster.num_hosts, cluster.devices_per_host)
+    n = whole[0] * whole[1]
+    return sum(model.work_floor(i, j, whole, (n,)) for i, j in zip(starts, ends, strict=True))
 
 
 def latency_floor_cells(

@@ -641,11 +641,19 @@ class _StageModel:
         key = (io[5], submesh)
         hit = self._latency_floors.get(key)
         if hit is None:
-            graph = self._graph(io)[0]
             model = self.cost_model(submesh, logical)
-            hit = cost_floor(graph, model, free_inputs=self._handed(io))
-            hit = self._latency_floors[key] = hit + self._launches(model, graph)
+            hit = self.work_floor(start, end, submesh, logical)
+            hit = self._latency_floors[key] = hit + self._launches(model, self._graph(io)[0])
         return hit
+
+    def work_floor(
+        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
+    ) -> float:
+        """``latency_floor`` without the program launches: the layer's operators' work split
+        over the submesh's devices, and its batch inputs' load."""
+        io = self._io(start, end)
+        graph = self._graph(io)[0]
+        return cost_floor(graph, self.cost_model(submesh, logical), free_inputs=self._handed(io))
 
     def _launches(self, cost: CostModel, graph: Any) -> float:
         """Seconds the stage's kernels take to launch (0 on a cluster without a profile)."""

@@ -523,3 +523,24 @@ def test_the_defaults_table_reads_planning_beside_the_published_times():
         "against Alpa 4092 s (profiling), Aceso 99 s.",
     ]
     assert default_plans.planning_lines(rows[1:]) == []
+
+
+def test_compute_floors_say_which_targets_no_plan_can_reach():
+    from benchmarks.compute_floor import to_markdown as floor_markdown
+
+    quality = {
+        "moe-10b": {"family": "moe", "gpus": 16, "ours": {"time": 5.0},
+                    "baselines": [{"name": "deepspeed-moe", "time": 8.0}]},
+        "gpt-6.7b": {"family": "gpt", "gpus": 16, "ours": 21.0,
+                     "baselines": [{"name": "megatron-lm", "time": 22.0}]},
+        "wresnet-1b": {"family": "wresnet", "gpus": 4, "ours": None, "baselines": []},
+    }  # fmt: skip
+    floors = [{"model": m, "floor_s": f} for m, f in (("moe-10b", 4.4), ("gpt-6.7b", 20.0),
+                                                       ("wresnet-1b", 3.0))]  # fmt: skip
+    rows = {ln.split(" | ")[0][2:]: ln.split(" | ") for ln in floor_markdown(floors, quality)
+            .splitlines() if ln.startswith("| ") and not ln.startswith("| row")}  # fmt: skip
+    # 4.4 / 8 = 0.55 is above MoE's 0.5: no plan reaches it; 20 / 22 = 0.909 is below 0.95.
+    assert rows["moe-10b"][3:] == ["5.000", "1.136", "deepspeed-moe", "8.000", "0.550",
+                                   "0.50", "**no** |"]  # fmt: skip
+    assert rows["gpt-6.7b"][7:] == ["0.909", "0.95", "yes |"]
+    assert rows["wresnet-1b"][3:] == ["–", "–", "pp-dp", "–", "–", "1.00", "– |"]
