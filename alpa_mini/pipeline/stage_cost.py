@@ -641,19 +641,15 @@ class _StageModel:
         key = (io[5], submesh)
         hit = self._latency_floors.get(key)
         if hit is None:
-            model = self.cost_model(submesh, logical)
-            hit = self.work_floor(start, end, submesh, logical)
-            hit = self._latency_floors[key] = hit + self._launches(model, self._graph(io)[0])
+            launches = self._launches(self.cost_model(submesh, logical), self._graph(io)[0])
+            hit = self.work_floor(start, end, submesh, logical) + launches
+            self._latency_floors[key] = hit
         return hit
 
-    def work_floor(
-        self, start: int, end: int, submesh: tuple[int, int], logical: tuple[int, ...]
-    ) -> float:
-        """``latency_floor`` without the program launches: the layer's operators' work split
-        over the submesh's devices, and its batch inputs' load."""
-        io = self._io(start, end)
-        graph = self._graph(io)[0]
-        return cost_floor(graph, self.cost_model(submesh, logical), free_inputs=self._handed(io))
+    def work_floor(self, start: int, end: int, submesh: tuple[int, int], logical) -> float:
+        """``latency_floor`` without the program launches."""
+        io, model = self._io(start, end), self.cost_model(submesh, logical)
+        return cost_floor(self._graph(io)[0], model, free_inputs=self._handed(io))
 
     def _launches(self, cost: CostModel, graph: Any) -> float:
         """Seconds the stage's kernels take to launch (0 on a cluster without a profile)."""
