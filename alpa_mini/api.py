@@ -56,8 +56,9 @@ def parallelize(
 ) -> Any:
     """Decorate a JAX step function so it runs auto-sharded on the current cluster.
 
-    ``batch_argnums`` (default: the last positional argument) name the batch; the first
-    argument holds the parameters. ``donate_argnums`` donates buffers like ``jax.jit``
+    ``batch_argnums`` (default: the last positional argument that is not only PRNG keys)
+    name the batch; the first argument holds the parameters. PRNG keys are never split: every
+    micro-batch reads the whole key. ``donate_argnums`` donates buffers like ``jax.jit``
     (``"auto"``: every non-batch argument). Arguments must be arrays or Python/NumPy numbers,
     except ``static_argnums``.
     """
@@ -301,8 +302,12 @@ class ParallelizedFunction:
         return self.fun(*args)
 
     def _roles(self, dynamic: tuple[Any, ...]) -> tuple[list[str], list[int]]:
+        """Each leaf's role (param, state or batch) and its argument's index. PRNG keys are
+        never batch leaves: every micro-batch and every device reads the whole key, as they
+        read the parameters; and by default the batch is the last argument that is not only
+        keys (``step(state, batch, key)``)."""
         n = len(dynamic)
-        batch = (n - 1,) if self.batch_argnums is None else self.batch_argnums
+        batch = (_default_batch(dynamic),) if self.batch_argnums is None else self.batch_argnums
         for i in batch:
             if not -n <= i < n:
                 raise ValueError(f"batch_argnums: {i} is out of range for {n} array arguments")
@@ -310,8 +315,8 @@ class ParallelizedFunction:
         roles, owner = [], []
         for i, arg in enumerate(dynamic):
             role = "batch" if i in batch else "param" if i == 0 else "state"
-            for _ in jax.tree.leaves(arg):
-                roles.append(role)
+            for leaf in jax.tree.leaves(arg):
+                roles.append("state" if role == "batch" and _is_key(leaf) else role)
                 owner.append(i)
         return roles, owner
 
@@ -497,10 +502,10 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     if _is_remote(x):  # a Ray step's output: shape known, data on a worker
-        return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype))
+        return jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype, True))
     if isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
         arr = x if hasattr(x, "dtype") else np.asarray(x)
-        dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+        dtype = jax.dtypes.canonicalize_dtype(arr.dtype, allow_extended_dtype=True)
         # Weak types survive (a Python number, flax's TrainState.step): the step's outputs
         # keep them, so the next call sees the same types and is not retraced.
         weak = getattr(x, "weak_type", False) or type(x) in (int, float, complex)
@@ -509,6 +514,21 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
         f"argument {name or '(top level)'}: {type(x).__name__} is not an array; parallelized "
         "functions take arrays and Python/NumPy numbers (mark other arguments static_argnums)"
     )
+
+
+def _is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``) or its abstract value."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _default_batch(dynamic: tuple[Any, ...]) -> int:
+    """The last argument with a leaf that is not a PRNG key (the last one where none has)."""
+    for i in range(len(dynamic) - 1, 0, -1):
+        leaves = jax.tree.leaves(dynamic[i])
+        if leaves and not all(_is_key(x) for x in leaves):
+            return i
+    return len(dynamic) - 1
 
 
 def _is_remote(x: Any) -> bool:

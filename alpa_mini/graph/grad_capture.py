@@ -354,7 +354,11 @@ def _record(
     """Trace the loss (closed-over values made explicit) and bind the grad equation."""
     leaves, in_tree, owner = _flat_args(args)
     abstract = [
-        jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.result_type(x)))
+        jax.ShapeDtypeStruct(
+            np.shape(x),
+            # (a PRNG key's dtype is not a NumPy one: it is read off the value)
+            jax.dtypes.canonicalize_dtype(getattr(x, "dtype", None) or np.result_type(x), True),
+        )
         for x in leaves
     ]
     aux_trees: list[Any] = []

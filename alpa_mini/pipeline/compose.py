@@ -11,8 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..shard.spec import ShardingSpec
 from .stage_cost import StageCost, plan_held_bytes
 from .stage_slice import is_float
@@ -162,7 +160,7 @@ def _table_of(
             fixed = a not in free and b not in free
             if fixed and ca.out_specs[o] is not None and cb.in_specs[k] is not None:
                 src, dst = ca.out_specs[o], cb.in_specs[k]
-                shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+                shape, size = tuple(v.aval.shape), v.aval.dtype.itemsize
                 t += cm.reshard(shape, size, src, dst)
                 if is_float(v.aval):  # its cotangent travels back the other way
                     t += cm.reshard(shape, size, dst, src)
@@ -194,7 +192,7 @@ def _shared_params(
             if a in free or b in free:
                 continue
             dst = cb.in_specs[k]
-            shape, size = tuple(v.aval.shape), np.dtype(v.aval.dtype).itemsize
+            shape, size = tuple(v.aval.shape), v.aval.dtype.itemsize
             n = math.prod(shape)
             add = cm.compute(n, 3 * n * size, str(v.aval.dtype), src.num_shards(cm.mesh.shape))
             there_and_back = cm.reshard(shape, size, src, dst) + cm.reshard(shape, size, dst, src)
@@ -209,12 +207,12 @@ def _host_load(cost: StageCost, k: int | None, v: Any, load: float, most: bool =
     if k is None:
         return 0.0
     if most:
-        return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize * load
+        return math.prod(v.aval.shape) * v.aval.dtype.itemsize * load
     if cost.plan is None:
         return 0.0
     spec = cost.plan.tensors[cost.plan.inputs[k]].spec
     shards = 1 if spec is None else spec.num_shards(cost.plan.mesh_shape)
-    return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize / shards * load
+    return math.prod(v.aval.shape) * v.aval.dtype.itemsize / shards * load
 
 
 def _composed_row(table: _LayerTable, i: int) -> list[StageCost | None]:

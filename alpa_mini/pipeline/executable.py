@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -575,7 +574,7 @@ def stage_lowerings(plan: PipeshardPlan, devices: list[tuple[Any, ...]]) -> list
 
 
 def _nbytes(a: Any) -> float:
-    return float(math.prod(a.shape) * np.dtype(a.dtype).itemsize)
+    return float(math.prod(a.shape) * a.dtype.itemsize)
 
 
 def trace_step(

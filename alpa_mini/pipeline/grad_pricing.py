@@ -17,8 +17,6 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from ..graph.op_graph import OpGraph
 
 __all__ = [
@@ -95,5 +93,5 @@ def gradient_sync_seconds(plan, cost, diff_in, params: list[int], first_grad: in
         if grad is None or param is None or grad == param:
             continue
         aval: Any = diff_in[k].aval
-        seconds += cost.reshard(tuple(aval.shape), np.dtype(aval.dtype).itemsize, grad, param)
+        seconds += cost.reshard(tuple(aval.shape), aval.dtype.itemsize, grad, param)
     return seconds

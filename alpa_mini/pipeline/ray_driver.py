@@ -696,6 +696,13 @@ def compile_pipeshard_ray(
     ``donated``: argument leaves the step may consume (a worker's resident copy)."""
 
     t0 = time.perf_counter()
+    keys = [k for k, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
+    if keys:  # the workers exchange arguments and results as NumPy arrays
+        raise ConfigError(
+            f"argument leaf {keys[0]}: a PRNG key ({avals[keys[0]].dtype}) is not supported by "
+            "the Ray runtime; pass jax.random.key_data(key) and wrap it in the step with "
+            "jax.random.wrap_key_data, or run on the local runtime"
+        )
     step_fun = StepFun(fun, static, in_tree)
     if (
         method.plan is None

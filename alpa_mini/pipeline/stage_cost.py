@@ -770,7 +770,7 @@ def _kernels(graph) -> float:
 
 
 def _nbytes(aval: Any) -> float:
-    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+    return float(math.prod(aval.shape) * aval.dtype.itemsize)
 
 
 def _budget(method: PipeshardParallel, cluster: ClusterSpec) -> float:

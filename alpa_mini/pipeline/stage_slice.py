@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
 __all__ = ["StageSlice", "is_float", "slice_stage"]
@@ -106,7 +105,7 @@ def slice_stage(
 
 
 def _nbytes(aval: Any) -> float:
-    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+    return float(math.prod(aval.shape) * aval.dtype.itemsize)
 
 
 def _is_drop(v: Any) -> bool:

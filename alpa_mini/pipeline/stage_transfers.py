@@ -53,7 +53,7 @@ class CutBytes:
                 index[v] = len(define)
                 define.append(e)
                 aval = v.aval
-                nbytes.append(float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize))
+                nbytes.append(float(math.prod(aval.shape) * aval.dtype.itemsize))
         last = np.full(len(define), -1, dtype=np.int64)
         for e, eqn in enumerate(jaxpr.eqns):
             for v in eqn.invars:

@@ -55,6 +55,9 @@ class SavedLeaf:
     shape: tuple[int, ...]
     dtype: str
     parts: tuple[Part, ...]
+    #: For a PRNG key array: its implementation (``jax.random.key_impl``); the array saved
+    #: is the key's data (``jax.random.key_data``), whose shape ends in the impl's own dims.
+    prng: str | None = None
 
 
 def save_checkpoint(
@@ -129,6 +132,9 @@ def restore_checkpoint(
     if target is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         values = read_values(step_dir, [Read(s.parts, s.shape, s.dtype, device) for s in saved])
+        values = [
+            v if s.prng is None else _wrap_key(s, v) for s, v in zip(saved, values, strict=True)
+        ]
         return _rebuild([s.path for s in saved], values)
     return _restore_into(step_dir, step, saved, target)
 
@@ -143,11 +149,15 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
     driver_parts: dict[int, list[Part]] = {}
     remote = []
     kinds: list[tuple[tuple[int, ...], str]] = []  # each leaf's shape and dtype name
+    prngs: dict[int, str] = {}  # leaf -> PRNG impl, for key arrays (saved as their data)
     for i, (key_path, leaf) in enumerate(flat):
         if isinstance(leaf, RemoteArray):
             remote.append((i, leaf))
             kinds.append((leaf.shape, leaf.dtype.name))
             continue
+        if _is_key(leaf):
+            prngs[i] = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
         value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         kinds.append((tuple(int(n) for n in value.shape), np.dtype(value.dtype).name))
         if value.dtype.kind not in "biufc" and not jax.numpy.issubdtype(value.dtype, np.number):
@@ -172,6 +182,7 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
             shape,
             dtype,
             tuple(driver_parts.get(i) or remote_parts.get(i, [])),
+            prngs.get(i),
         )
         for i, ((key_path, _), (shape, dtype)) in enumerate(zip(flat, kinds, strict=True))
     ]
@@ -264,6 +275,7 @@ def _manifest(step: int, leaves: list[SavedLeaf]) -> dict[str, Any]:
                 "path": [list(p) for p in s.path],
                 "shape": list(s.shape),
                 "dtype": s.dtype,
+                **({} if s.prng is None else {"prng": s.prng}),
                 "parts": [
                     {
                         "writer": p.writer,
@@ -380,7 +392,13 @@ def _saved_leaf(file: Path, i: int, entry: Any) -> SavedLeaf:
         raise ConfigError(
             f"{where}.parts: cover {covered} values of an array of {math.prod(shape)}"
         )
-    return SavedLeaf(tuple((k, v) for k, v in path), shape, dtype, tuple(found))
+    prng = entry.get("prng")
+    if prng is not None and (not isinstance(prng, str) or not shape or dtype != "uint32"):
+        raise ConfigError(
+            f"{where}.prng: {prng!r:.80} is invalid; expected a PRNG implementation's name on "
+            "a uint32 array of key data"
+        )
+    return SavedLeaf(tuple((k, v) for k, v in path), shape, dtype, tuple(found), prng)
 
 
 def _rebuild(paths: list[tuple[tuple[str, Any], ...]], values: list[Any]) -> Any:
@@ -429,8 +447,11 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         record = by_path.get(tuple(str(k) for _, k in _path_record(key_path)))
         if record is None:
             raise ConfigError(f"{name}: not in checkpoint step {step} (its tree has other keys)")
+        if _is_key(leaf) != (record.prng is not None):
+            saved_as = "a PRNG key" if record.prng else f"a {record.dtype} array"
+            raise ConfigError(f"{name}: {leaf.dtype}, but checkpoint step {step} saved {saved_as}")
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        if shape != record.shape:
+        if shape != record.shape[: len(shape) if record.prng else None]:
             raise ConfigError(
                 f"{name}: shape {shape}, but checkpoint step {step} saved {record.shape}"
             )
@@ -439,10 +460,14 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
             remote.append((i, (leaf, record.parts, np.dtype(dtype).name)))
             continue
         sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
+        if sharding is None or record.prng:  # (a key's data is read whole, then wrapped)
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        local.append((i, Read(record.parts, shape, dtype, sharding)))
+        local.append((i, Read(record.parts, record.shape, record.dtype if record.prng else dtype,
+                              sharding)))  # fmt: skip
     for (i, _), value in zip(local, read_values(step_dir, [r for _, r in local]), strict=True):
+        record, leaf = by_path[tuple(str(k) for _, k in _path_record(flat[i][0]))], flat[i][1]
+        if record.prng:
+            value = _wrap_key(record, value, getattr(leaf, "sharding", None))
         values[i] = value
     if remote:
         from ..pipeline.ray_checkpoint import restore_remote
@@ -452,6 +477,21 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         ):
             values[i] = value
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _is_key(leaf: Any) -> bool:
+    """Whether ``leaf`` is a typed PRNG key array (or its abstract value)."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _wrap_key(record: SavedLeaf, data: Any, sharding: Any = None) -> Any:
+    """The PRNG key array whose data was saved as ``record``, on ``sharding`` if given."""
+    try:
+        key = jax.random.wrap_key_data(data, impl=record.prng)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"prng: {record.prng!r} cannot wrap the saved data ({err})") from None
+    return key if sharding is None else jax.device_put(key, sharding)
 
 
 @atexit.register

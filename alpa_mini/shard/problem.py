@@ -64,6 +64,12 @@ __all__ = [
 
 log = logging.getLogger("alpa_mini.shard.problem")
 _warned: set[str] = set()
+#: Primitives that run replicated by design, without a warning: PRNG keys are whole on every
+#: device (``api``: never split), and so are the draws made from them.
+QUIET_REPLICATED = frozenset(
+    ("random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
+     "random_unwrap", "threefry2x32")
+)  # fmt: skip
 
 SpecFilter = Callable[[ShardingSpec], bool]
 
@@ -203,7 +209,8 @@ def _op_strategies(
     ``seen`` holds those of operators alike in everything strategies depend on: the loop
     nest, shapes, dtypes, work and scales (the same operator in each repeated layer)."""
     nest = loop_nest(node, graph) if node.kind != "opaque" else None
-    if node.kind == "op" and nest is None and node.primitive not in _warned:
+    quiet = node.primitive in _warned or node.primitive in QUIET_REPLICATED
+    if node.kind == "op" and nest is None and not quiet:
         _warned.add(node.primitive)
         log.warning(
             "alpa_mini has no sharding rule for primitive %r; it runs replicated", node.primitive

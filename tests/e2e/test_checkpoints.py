@@ -196,3 +196,36 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_readable(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones(4))
     assert "pad" not in restored
     assert Path(tmp_path, "1").is_dir()
+
+
+def test_prng_keys_round_trip_with_their_implementation(tmp_path):
+    import json
+
+    tree = {
+        "w": np.ones(3, np.float32),
+        "key": jax.random.key(5),
+        "keys": jax.random.split(jax.random.key(6, impl="rbg"), 4),
+    }
+    alpa_mini.save_checkpoint(tmp_path, tree, 1, wait=True)
+    saved_tree = alpa_mini.restore_checkpoint(tmp_path)
+    for back in (saved_tree, alpa_mini.restore_checkpoint(tmp_path, target=tree)):
+        for name in ("key", "keys"):
+            assert back[name].dtype == tree[name].dtype and back[name].shape == tree[name].shape
+            np.testing.assert_array_equal(
+                jax.random.key_data(back[name]), jax.random.key_data(tree[name])
+            )
+        # the restored key draws what the saved one draws
+        np.testing.assert_array_equal(
+            jax.random.normal(back["key"], (4,)), jax.random.normal(tree["key"], (4,))
+        )
+    with pytest.raises(ConfigError, match=r"target\['key'\]: uint32, but .* saved a PRNG key"):
+        alpa_mini.restore_checkpoint(tmp_path, target={**tree, "key": np.zeros(2, np.uint32)})
+    with pytest.raises(ConfigError, match=r"target\['w'\]: key<fry>, but .* saved a float32"):
+        alpa_mini.restore_checkpoint(tmp_path, target={**tree, "w": jax.random.key(0)})
+    file = tmp_path / "1" / "manifest.json"
+    good = json.loads(file.read_text())
+    leaves = [dict(leaf, prng=7) if leaf["path"] == [["key", "key"]] else leaf
+              for leaf in good["leaves"]]  # fmt: skip
+    file.write_text(json.dumps({**good, "leaves": leaves}))
+    with pytest.raises(ConfigError, match=r"leaves\[\d\]\.prng: 7 is invalid; expected a PRNG"):
+        alpa_mini.restore_checkpoint(tmp_path)

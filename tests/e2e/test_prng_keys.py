@@ -1,0 +1,104 @@
+"""Typed PRNG keys as step arguments (``step(params, opt_state, batch, key)``): the batch is
+found past a trailing key, the key is never split over micro-batches or devices, and the
+step matches serial JAX to 1e-6 with the key it returns equal too."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import alpa_mini
+from alpa_mini import (
+    ConfigError,
+    ManualLayerOption,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+)
+from alpa_mini.models import sgd
+
+OPT = sgd(0.1)
+
+
+def _loss(params, batch, key):
+    # Noise drawn from the key, the same for every row: each micro-batch reads the whole key,
+    # so it sees what the whole batch sees serially.
+    x = batch["x"] + 0.1 * jax.random.normal(key, (batch["x"].shape[-1],))
+    for i, p in enumerate(params):
+        x = jnp.tanh(x @ p["w"] + p["b"])
+        if i < len(params) - 1:
+            x = alpa_mini.mark_pipeline_boundary(x)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _step(value_and_grad):
+    def step(params, opt_state, batch, key):
+        key, sub = jax.random.split(key)
+        loss, grads = value_and_grad(_loss)(params, batch, sub)
+        params, opt_state = OPT.update(grads, opt_state, params)
+        return params, opt_state, key, loss
+
+    return step
+
+
+def _data():
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = [{"w": jax.random.normal(k, (8, 8)) / 3, "b": jnp.zeros(8)} for k in keys]
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
+             "y": rng.normal(size=(16, 8)).astype(np.float32)}  # fmt: skip
+    return params, OPT.init(params), batch
+
+
+METHODS = {
+    "pipeshard": PipeshardParallel(
+        num_micro_batches=4,
+        layer_option=ManualLayerOption(),
+        stage_option=UniformStageOption(num_stages=2),
+    ),
+    "shard": ShardParallel(num_micro_batches=2),
+}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param("pipeshard", marks=pytest.mark.slow), "shard"],  # 4 s: the fast lane
+)
+def test_a_key_argument_is_read_whole_by_every_micro_batch(devices8, kind):
+    params, state, batch = _data()
+    serial = jax.jit(_step(jax.value_and_grad))
+    step = alpa_mini.parallelize(_step(alpa_mini.value_and_grad), method=METHODS[kind])
+    want = got = (params, state, jax.random.key(7))
+    for _ in range(3):
+        *want, want_loss = serial(*want[:2], batch, want[2])
+        *got, got_loss = step(*got[:2], batch, got[2])
+    for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0]), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
+    assert float(got_loss) == pytest.approx(float(want_loss), abs=1e-6)
+    np.testing.assert_array_equal(jax.random.key_data(got[2]), jax.random.key_data(want[2]))
+
+
+def test_the_default_batch_is_the_last_argument_that_is_not_only_keys():
+    params, state, batch = _data()
+    step = alpa_mini.parallelize(_step(alpa_mini.value_and_grad))
+    call = step._prepare((params, state, batch, jax.random.key(7)))
+    n_params, n_state = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
+    assert call.roles == ["param"] * n_params + ["state"] * n_state + ["batch"] * 2 + ["state"]
+    # named explicitly, a key among the batch arguments is still not split
+    step = alpa_mini.parallelize(_step(alpa_mini.value_and_grad), batch_argnums=(2, 3))
+    assert step._prepare((params, state, batch, jax.random.key(7))).roles[-1] == "state"
+
+
+def test_the_ray_runtime_refuses_key_arguments_naming_the_leaf():
+    from alpa_mini.pipeline.ray_driver import compile_pipeshard_ray
+
+    params, state, batch = _data()
+    args = (params, state, batch, jax.random.key(7))
+    call = alpa_mini.parallelize(_step(alpa_mini.value_and_grad))._prepare(args)
+    with pytest.raises(ConfigError, match=r"argument leaf \d+: a PRNG key .* not supported"):
+        compile_pipeshard_ray(
+            _step(alpa_mini.value_and_grad), call.avals, call.roles, call.in_tree, (),
+            METHODS["pipeshard"], alpa_mini.ClusterSpec.named("cpu-1x8"), session=None,
+        )  # fmt: skip
