@@ -31,6 +31,7 @@ from .grad_capture import (
     _prune_dead,
     _Recorder,
     _source_values,
+    add_micro_batch_note,
     pipeline_grad_p,
 )
 from .loss_fold import LossRecipe, _capture, _derives_from_batch
@@ -68,6 +69,7 @@ def trace_direct(
     rec = _Recorder("direct", num_micro_batches, [])
     rec.micro = _micro_avals(avals, roles, num_micro_batches, names)
     rec.roles = roles
+    rec.full, rec.names = avals, names  # (for errors in a loss traced on one micro-batch)
     rec.loss_only = loss_only
     stopped: list[bool] = []
 
@@ -124,7 +126,11 @@ def direct_call(
     recipe = LossRecipe(
         fun, in_tree, has_aux, diff, tuple(leaf_step), step_ins, diff_avals, sources, None
     )
-    loss, aux_tree = recipe.trace(rec.micro)
+    try:
+        loss, aux_tree = recipe.trace(rec.micro)
+    except Exception as err:
+        add_micro_batch_note(err, rec.full, rec.roles, rec.num_micro_batches, rec.names)
+        raise
     if loss.consts:
         raise NotDirect  # the loss closes over values: fold them
     value = loss.out_avals[0]

@@ -104,10 +104,12 @@ class _Recorder:
     recorded: list[Recorded] = field(default_factory=list)
     step_inputs: Sequence[Any] = ()
     calls: int = 0
-    # "direct" (``direct_trace``): the step's inputs on one micro-batch, their roles, and
-    # per call so far its recipe and loss name.
+    # "direct" (``direct_trace``): the step's inputs on one micro-batch and at full shape,
+    # their roles and names, and per call so far its recipe and loss name.
     micro: Sequence[Any] = ()
+    full: Sequence[Any] = ()
     roles: Sequence[str] = ()
+    names: Sequence[str] | None = None
     recipes: list[Any] = field(default_factory=list)
     loss_names: list[str] = field(default_factory=list)
     loss_only: bool = False  # "direct": stop the trace once the first call is captured
@@ -223,14 +225,37 @@ def record_grads(
             # kept alive elsewhere would be served from that cache without running.
             recorded = jax.make_jaxpr(lambda *a: _enter(rec, a, fun))(*micro)
         except Exception as err:
-            if B > 1:
-                err.add_note(
-                    f"(while tracing the step on one micro-batch: its batch leaves cut to 1/{B} "
-                    "of their leading dimension, so that what derives from them is split too)"
-                )
+            add_micro_batch_note(err, avals, roles, B, names)
             raise
     folded = fold_loss(recorded, rec.recorded, roles, B)
     return tuple(c for c, _ in folded), tuple(r for _, r in folded)
+
+
+def add_micro_batch_note(
+    err: BaseException,
+    avals: Sequence[Any],
+    roles: Sequence[str],
+    count: int,
+    names: Sequence[str] | None,
+) -> None:
+    """Say on ``err``, raised while the step was traced on one micro-batch, that its batch
+    leaves were cut, with each one's rows where they differ (a value every row shares, put
+    in the batch argument, is cut with it)."""
+    if count <= 1:
+        return
+    note = (
+        f"(while tracing the step on one micro-batch: its batch leaves cut to 1/{count} of "
+        "their leading dimension, so that what derives from them is split too"
+    )
+    rows = [(k, a.shape[0]) for k, (a, r) in enumerate(zip(avals, roles, strict=True))
+            if r == "batch" and a.shape]  # fmt: skip
+    if len({n for _, n in rows}) > 1:
+        shown = ", ".join(f"{names[k] if names else f'leaf {k}'}: {n}" for k, n in rows[:6])
+        note += (
+            f"; the batch leaves' rows differ ({shown}{', ...' if len(rows) > 6 else ''}): a "
+            "value every row shares, such as position ids, belongs in another argument"
+        )
+    err.add_note(note + ")")
 
 
 def _micro_avals(

@@ -272,3 +272,35 @@ def test_a_later_count_traces_the_loss_alone_as_the_record_pass_would():
     first, again, recorded = _traced_at_two_counts(step2, avals, roles)
     assert first.recipes == (None,)
     assert str(again.captures[0].loss) == str(recorded[0].loss)
+
+
+def _shared_positions_step(params: Any, batch: Any) -> Any:
+    """Position ids shared by every row, put in the batch (where they are cut with it)."""
+
+    def loss(p: Any) -> Any:
+        x = batch["x"] + batch["pos"][None, :]
+        return jnp.mean(jnp.tanh(x @ p) ** 2)
+
+    return params - 0.1 * alpa_mini.grad(loss)(params)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ShardParallel(mesh_shape=(1, 8), num_micro_batches=2),
+        PipeshardParallel(
+            num_micro_batches=2,
+            layer_option=ManualLayerOption(),
+            stage_option=UniformStageOption(1),
+        ),
+    ],
+    ids=["shard", "pipeshard"],
+)
+def test_a_shared_leaf_cut_with_the_batch_is_named_with_its_rows(cpu8, method) -> None:
+    batch = {"x": np.ones((BATCH, WIDTH), np.float32), "pos": np.arange(WIDTH, dtype=np.float32)}
+    step = alpa_mini.parallelize(_shared_positions_step, method=method)
+    with pytest.raises(TypeError, match="incompatible shapes") as err:
+        step(jnp.eye(WIDTH), batch)
+    note = " ".join(getattr(err.value, "__notes__", []))
+    assert "cut to 1/2 of their leading dimension" in note
+    assert f": {WIDTH}, " in note and f": {BATCH}" in note and "position ids" in note
