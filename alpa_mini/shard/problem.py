@@ -65,10 +65,11 @@ __all__ = [
 log = logging.getLogger("alpa_mini.shard.problem")
 _warned: set[str] = set()
 #: Primitives that run replicated by design, without a warning: PRNG keys are whole on every
-#: device (``api``: never split), and so are the draws made from them.
+#: device (``api``: never split), and so are the draws made from them; debug prints and
+#: callbacks read their values whole.
 QUIET_REPLICATED = frozenset(
     ("random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
-     "random_unwrap", "threefry2x32")
+     "random_unwrap", "threefry2x32", "debug_print", "debug_callback")
 )  # fmt: skip
 
 SpecFilter = Callable[[ShardingSpec], bool]

@@ -102,3 +102,23 @@ def test_the_ray_runtime_refuses_key_arguments_naming_the_leaf():
             _step(alpa_mini.value_and_grad), call.avals, call.roles, call.in_tree, (),
             METHODS["pipeshard"], alpa_mini.ClusterSpec.named("cpu-1x8"), session=None,
         )  # fmt: skip
+
+
+def test_draws_and_debug_prints_run_replicated_without_a_warning(devices8, caplog):
+    from alpa_mini.shard import problem
+
+    problem._warned.clear()  # (other tests may have warned already)
+
+    def step(params, opt_state, batch, key):
+        def loss(p, b, k):
+            jax.debug.print("{m}", m=jnp.mean(b["x"]))
+            return _loss(p, b, jax.random.fold_in(k, 1))
+
+        l, grads = alpa_mini.value_and_grad(loss)(params, batch, key)
+        return (*OPT.update(grads, opt_state, params), l)
+
+    params, state, batch = _data()
+    with caplog.at_level("WARNING", logger="alpa_mini"):
+        step = alpa_mini.parallelize(step, method=METHODS["shard"])
+        step(params, state, batch, jax.random.key(1))
+    assert not [r for r in caplog.records if "no sharding rule" in r.getMessage()]
