@@ -255,6 +255,13 @@ def add_micro_batch_note(
             f"; the batch leaves' rows differ ({shown}{', ...' if len(rows) > 6 else ''}): a "
             "value every row shares, such as position ids, belongs in another argument"
         )
+    batch = [a for a, r in zip(avals, roles, strict=True) if r == "batch"]
+    if batch and all(a.dtype == np.uint32 and a.shape[-1:] == (2,) for a in batch):
+        note += (
+            "; the batch looks like a raw PRNG key (jax.random.PRNGKey), which is cut with it: "
+            "pass a typed key (jax.random.key), never split, or name the batch in "
+            "parallelize(batch_argnums=...)"
+        )
     err.add_note(note + ")")
 
 

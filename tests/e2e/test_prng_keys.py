@@ -122,3 +122,11 @@ def test_draws_and_debug_prints_run_replicated_without_a_warning(devices8, caplo
         step = alpa_mini.parallelize(step, method=METHODS["shard"])
         step(params, state, batch, jax.random.key(1))
     assert not [r for r in caplog.records if "no sharding rule" in r.getMessage()]
+
+
+def test_a_raw_key_taken_for_the_batch_is_named_in_the_error(devices8):
+    params, state, batch = _data()
+    step = alpa_mini.parallelize(_step(alpa_mini.value_and_grad), method=METHODS["shard"])
+    with pytest.raises(TypeError) as err:  # the uint32 pair cut in two: not a key any more
+        step(params, state, batch, jax.random.PRNGKey(7))
+    assert "looks like a raw PRNG key" in " ".join(getattr(err.value, "__notes__", []))
