@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .graph.grad_capture import trace_with_grads
 from .graph.jaxpr_walk import without_dead_code
 from .graph.planning_stats import PlanningStats
-from .graph.tracing import trace_jaxpr
+from .graph.tracing import is_prng_key, trace_jaxpr
 from .options.pipeshard import PipeshardParallel
 from .options.shard import ShardParallel
 from .session import local as device_setup
@@ -316,7 +316,7 @@ class ParallelizedFunction:
         for i, arg in enumerate(dynamic):
             role = "batch" if i in batch else "param" if i == 0 else "state"
             for leaf in jax.tree.leaves(arg):
-                roles.append("state" if role == "batch" and _is_key(leaf) else role)
+                roles.append("state" if role == "batch" and is_prng_key(leaf) else role)
                 owner.append(i)
         return roles, owner
 
@@ -516,17 +516,11 @@ def _abstract(x: Any, name: str) -> jax.ShapeDtypeStruct:
     )
 
 
-def _is_key(x: Any) -> bool:
-    """Whether ``x`` is a typed PRNG key array (``jax.random.key``) or its abstract value."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _default_batch(dynamic: tuple[Any, ...]) -> int:
     """The last argument with a leaf that is not a PRNG key (the last one where none has)."""
     for i in range(len(dynamic) - 1, 0, -1):
         leaves = jax.tree.leaves(dynamic[i])
-        if leaves and not all(_is_key(x) for x in leaves):
+        if leaves and not all(is_prng_key(x) for x in leaves):
             return i
     return len(dynamic) - 1
 

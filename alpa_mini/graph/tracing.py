@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
@@ -28,10 +29,16 @@ from .jaxpr_walk import (
 from .markers import MARKER_NAME
 from .op_graph import OpGraph, OpNode, Tensor
 
-__all__ = ["OPAQUE_PRIMITIVES", "trace_jaxpr"]
+__all__ = ["OPAQUE_PRIMITIVES", "is_prng_key", "trace_jaxpr"]
 
 #: Control flow kept as one node: its operands and results stay replicated.
 OPAQUE_PRIMITIVES = ("while", "cond")
+
+
+def is_prng_key(x: Any) -> bool:
+    """Whether ``x`` (an array or abstract value) is a typed PRNG key (``jax.random.key``)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _dtype(aval: Any) -> tuple[str, int]:

@@ -32,6 +32,7 @@ import numpy as np
 from ..cluster.spec import ClusterSpec
 from ..errors import ConfigError, WorkerFailedError
 from ..graph.scan_split import PieceMap
+from ..graph.tracing import is_prng_key
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoStageOption, PipeshardParallel
 from ..runtime.instructions import Free, Instruction, Put, Recv, Run, Send
@@ -696,7 +697,7 @@ def compile_pipeshard_ray(
     ``donated``: argument leaves the step may consume (a worker's resident copy)."""
 
     t0 = time.perf_counter()
-    keys = [k for k, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
+    keys = [k for k, a in enumerate(avals) if is_prng_key(a)]
     if keys:  # the workers exchange arguments and results as NumPy arrays
         raise ConfigError(
             f"argument leaf {keys[0]}: a PRNG key ({avals[keys[0]].dtype}) is not supported by "

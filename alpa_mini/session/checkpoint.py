@@ -32,6 +32,7 @@ import numpy as np
 
 from .._validate import check_int, positive_int
 from ..errors import ConfigError
+from ..graph.tracing import is_prng_key
 from ..runtime.checkpoint_io import Part, PartWriter, Read, parts_of, read_values
 
 __all__ = ["restore_checkpoint", "save_checkpoint", "wait_for_checkpoints"]
@@ -155,7 +156,7 @@ def _write(tmp: Path, flat: list[tuple[Any, Any]]) -> tuple[list[SavedLeaf], Any
             remote.append((i, leaf))
             kinds.append((leaf.shape, leaf.dtype.name))
             continue
-        if _is_key(leaf):
+        if is_prng_key(leaf):
             prngs[i] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
         value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
@@ -447,7 +448,7 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         record = by_path.get(tuple(str(k) for _, k in _path_record(key_path)))
         if record is None:
             raise ConfigError(f"{name}: not in checkpoint step {step} (its tree has other keys)")
-        if _is_key(leaf) != (record.prng is not None):
+        if is_prng_key(leaf) != (record.prng is not None):
             saved_as = "a PRNG key" if record.prng else f"a {record.dtype} array"
             raise ConfigError(f"{name}: {leaf.dtype}, but checkpoint step {step} saved {saved_as}")
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
@@ -477,12 +478,6 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
         ):
             values[i] = value
     return jax.tree_util.tree_unflatten(treedef, values)
-
-
-def _is_key(leaf: Any) -> bool:
-    """Whether ``leaf`` is a typed PRNG key array (or its abstract value)."""
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _wrap_key(record: SavedLeaf, data: Any, sharding: Any = None) -> Any:
