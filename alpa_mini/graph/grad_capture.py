@@ -168,6 +168,7 @@ def trace_with_grads(
     (``direct_trace``), stop at its first grad call, whose loss is all that planning reads;
     the step's jaxpr (its optimiser update: most of a large model's trace) is then None,
     and the step is checked in full when the plan is compiled."""
+    names = names or getattr(fun, "leaf_names", None)  # (``executable.StepFun``'s paths)
     recipes = earlier.recipes if earlier is not None and mode == "pipeline" else ()
     if recipes and all(r is not None for r in recipes):
         # Every loss reads only step inputs and its own arguments: trace the losses alone at

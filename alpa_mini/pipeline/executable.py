@@ -197,6 +197,12 @@ class StepFun:
             args.insert(i, value)
         return self.fun(*args)
 
+    @property
+    def leaf_names(self) -> list[str]:
+        """Each flat leaf's path in the dynamic arguments (``[2]['x']``), as errors name it."""
+        tree = jax.tree.unflatten(self.in_tree, range(self.in_tree.num_leaves))
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
 
 def add_buffers(a: Any, b: Any) -> Any:
     """The runtime's ACCUMULATE: one jitted add, shared by every stage."""

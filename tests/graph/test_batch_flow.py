@@ -303,4 +303,4 @@ def test_a_shared_leaf_cut_with_the_batch_is_named_with_its_rows(cpu8, method) -
         step(jnp.eye(WIDTH), batch)
     note = " ".join(getattr(err.value, "__notes__", []))
     assert "cut to 1/2 of their leading dimension" in note
-    assert f": {WIDTH}, " in note and f": {BATCH}" in note and "position ids" in note
+    assert f"['pos']: {WIDTH}, " in note and f"['x']: {BATCH}" in note and "position ids" in note
