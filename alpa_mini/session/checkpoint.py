@@ -443,6 +443,7 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
     by_path = {tuple(str(k) for _, k in s.path): s for s in saved}
     values: list[Any] = [None] * len(flat)
     remote, local = [], []
+    keys: dict[int, tuple[SavedLeaf, Any]] = {}  # PRNG key leaves: their record and sharding
     for i, (key_path, leaf) in enumerate(flat):
         name = f"target{jax.tree_util.keystr(key_path)}"
         record = by_path.get(tuple(str(k) for _, k in _path_record(key_path)))
@@ -461,14 +462,16 @@ def _restore_into(step_dir: Path, step: int, saved: list[SavedLeaf], target: Any
             remote.append((i, (leaf, record.parts, np.dtype(dtype).name)))
             continue
         sharding = getattr(leaf, "sharding", None)
-        if sharding is None or record.prng:  # (a key's data is read whole, then wrapped)
+        if record.prng:  # its data read whole, then wrapped and put where the target is
+            keys[i] = (record, sharding)
+            sharding, dtype = None, record.dtype
+        if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        local.append((i, Read(record.parts, record.shape, record.dtype if record.prng else dtype,
-                              sharding)))  # fmt: skip
+        local.append((i, Read(record.parts, record.shape, dtype, sharding)))
     for (i, _), value in zip(local, read_values(step_dir, [r for _, r in local]), strict=True):
-        record, leaf = by_path[tuple(str(k) for _, k in _path_record(flat[i][0]))], flat[i][1]
-        if record.prng:
-            value = _wrap_key(record, value, getattr(leaf, "sharding", None))
+        if i in keys:
+            record, sharding = keys[i]
+            value = _wrap_key(record, value, sharding)
         values[i] = value
     if remote:
         from ..pipeline.ray_checkpoint import restore_remote
