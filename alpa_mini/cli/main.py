@@ -134,6 +134,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "(auto, the default: stored, recomputed when no plan fits stored)",
     )
     plan.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
+    plan.add_argument(
+        "--floor",
+        action="store_true",
+        help="also print the compute floor: the seconds per iteration no plan beats on this "
+        "cluster under the cost model (one more trace of the step)",
+    )
 
 
 #: ``alpa-mini bench NAME`` -> module of the checkout's ``benchmarks`` package.
@@ -292,20 +298,26 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         + (f" ({p.ilps_bounded} left at their LP bound)" if p.ilps_bounded else "")
         + f", cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"
     )
+    if args.floor:
+        floor = _model_floor(spec, method, cluster, args, args.activations == "recomputed")
+        console.print(
+            f"compute floor {floor * 1e3:.4g} ms/iter (the whole batch's work over all "
+            f"{cluster.num_devices} devices, no communication): this plan is "
+            f"{planned.predicted_time / floor:.3f}x it"
+        )
     if args.json is not None:
         args.json.write_text(planned.to_json())
         console.print(f"plan written to {args.json}")
     return 0
 
 
-def _plan_model(spec, method, cluster, args: argparse.Namespace, recompute: bool):
-    """``alpa_mini.plan`` of the bundled model's Adam step from abstract shapes; ``recompute``:
+def _model_step(spec, args: argparse.Namespace, recompute: bool):
+    """The bundled model's Adam step and its abstract (params, state, batch); ``recompute``:
     every block under ``jax.checkpoint`` (the model config's ``remat``)."""
     import dataclasses
 
     import jax
 
-    from ..api import plan
     from ..graph.micro_batch import value_and_grad
     from ..models import adam, make_train_step
 
@@ -315,10 +327,27 @@ def _plan_model(spec, method, cluster, args: argparse.Namespace, recompute: bool
     params = spec.abstract_params()
     state = jax.eval_shape(opt.init, params)
     batch = spec.abstract_batch(args.batch_size)
-    step = make_train_step(spec.loss_fn(), opt, value_and_grad)
+    return make_train_step(spec.loss_fn(), opt, value_and_grad), (params, state, batch)
+
+
+def _plan_model(spec, method, cluster, args: argparse.Namespace, recompute: bool):
+    """``alpa_mini.plan`` of the bundled model's Adam step from abstract shapes."""
+    from ..api import plan
+
+    step, step_args = _model_step(spec, args, recompute)
     with Console(stderr=True).status("planning") as status:
-        return plan(step, params, state, batch, method=method, cluster=cluster,
-                    progress=status.update)  # fmt: skip
+        return plan(step, *step_args, method=method, cluster=cluster, progress=status.update)
+
+
+def _model_floor(spec, method, cluster, args: argparse.Namespace, recompute: bool) -> float:
+    """``executable.traced_floor`` of the bundled model's step: the seconds per iteration no
+    plan beats on ``cluster`` under the cost model."""
+    from ..api import parallelize
+    from ..pipeline.executable import StepFun, traced_floor
+
+    step, step_args = _model_step(spec, args, recompute)
+    call = parallelize(step, method=method)._prepare(step_args)
+    return traced_floor(StepFun(step, (), call.in_tree), call.avals, call.roles, method, cluster)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:

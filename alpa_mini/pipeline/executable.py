@@ -600,7 +600,8 @@ def traced_floor(
     """``latency_floors.step_floor`` of the step traced with one micro-batch, cut into layers
     by ``method.layer_option``: the seconds per iteration no plan of it beats on ``cluster``."""
     _, _, capture, forward = trace_step(fun, avals, roles, 1)
-    return step_floor(forward, capture, cluster, method, _sizes(avals, roles))
+    one = dataclasses.replace(method, num_micro_batches=1, plan=None)
+    return step_floor(forward, capture, cluster, one, _sizes(avals, roles))
 
 
 def _traced_parts(traced: TracedStep) -> tuple:

@@ -459,3 +459,21 @@ def test_cli_plan_recomputes_blocks_when_stored_activations_fit_nowhere(tmp_path
     assert max(s.peak_memory for s in plan.stages) <= 40 * 2**20
     assert main([*args, "--activations", "stored"]) == 2
     assert "smallest per-device memory" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.slow
+def test_cli_plan_prints_the_compute_floor_below_the_plan(tmp_path, capsys):
+    """`alpa-mini plan --floor`: the floor no plan beats, and the plan's ratio to it (>= 1)."""
+    import re
+
+    from alpa_mini.cli.main import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x4", "--micro-batches", "4"]
+    assert main([*args, "--floor", "--json", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps lines
+    found = re.search(r"compute floor ([\d.e+-]+) ms/iter .* this plan is ([\d.]+)x it", said)
+    assert found, said
+    floor_ms, ratio = float(found.group(1)), float(found.group(2))
+    predicted = PipeshardPlan.from_json(out.read_text()).predicted_time
+    assert ratio >= 1.0 and ratio == pytest.approx(predicted * 1e3 / floor_ms, rel=2e-3)
