@@ -1,7 +1,8 @@
 """Checkpoints of step inputs and outputs, on orbax-checkpoint.
 
 A checkpoint step is the directory ``<ckpt_dir>/<step>``: ``manifest.json`` (the saved
-pytree's key paths, shapes, dtypes, and where each array's parts are) and one orbax PyTree
+pytree's key paths, shapes, dtypes, and where each array's parts are; a PRNG key is saved as
+its data, with its implementation under ``prng``) and one orbax PyTree
 checkpoint per writer. The driver writes the arrays it holds (``driver/``), each shard from
 its device (arrays spread over several stage meshes included); every Ray host worker writes
 the values it holds (``host_<h>/``), so nothing gathers on the driver. All of it is written
