@@ -534,6 +534,7 @@ class _StageModel:
                 gradient_partials=[(k, job.first_grad + k) for k in job.params]
                 if not several and not self.every_micro_batch and not job.layer
                 else (),
+                alternatives=False,  # a stage's ILP plans are read for layouts and costs only
             )
         except MemoryBudgetError as err:
             return "time" if err.timed_out else "memory"

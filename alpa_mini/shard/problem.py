@@ -414,6 +414,7 @@ def plan_sharding(
     accumulated: Sequence[int] = (),
     accumulators_in_ilp: bool = True,
     gradient_partials: Sequence[tuple[int, int]] = (),
+    alternatives: bool = True,
 ) -> ShardingPlan:
     """Build, solve and read back the plan; raises ``MemoryBudgetError`` when nothing fits.
 
@@ -432,7 +433,8 @@ def plan_sharding(
     ``gradient_partials``: (parameter input, gradient output) pairs of a step of one
     micro-batch, whose gradients the runtime holds as unreduced partials: the plan's peak
     gains their excess over the gradients' own layouts after the solve (``partial_excess``;
-    it may then exceed the budget).
+    it may then exceed the budget). ``alternatives=False``: the plan's choices carry no
+    priced alternatives (``read_plan``), for callers that never ``explain`` it.
     """
     once = functools.partial(
         _plan_once,
@@ -450,6 +452,7 @@ def plan_sharding(
         defer_fractional=defer_fractional,
         free_inputs=free_inputs,
         accumulated=accumulated if accumulators_in_ilp else (),
+        alternatives=alternatives,
     )
     filters = list(input_filters or [None] * len(graph.inputs))
     plan, inst = once(input_filters=filters, dp_axes=None)
@@ -491,6 +494,7 @@ def _plan_once(
     free_inputs: Sequence[int],
     accumulated: Sequence[int],
     dp_axes: tuple[int, ...] | None,
+    alternatives: bool = True,
 ) -> tuple[ShardingPlan, ShardingInstance]:
     """One build, solve and read-back (``plan_sharding``)."""
     global _builds_started
@@ -537,7 +541,8 @@ def _plan_once(
             "(raise the budget, use more devices, or a larger mesh)",
             min_peak,
         ) from None
-    return read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time), inst
+    plan = read_plan(graph, cost, axis_names, inst, sol, memory_budget, build_time, alternatives)
+    return plan, inst
 
 
 def build_activity() -> tuple[int, bool]:

@@ -35,10 +35,16 @@ def read_plan(
     sol: ShardingSolution,
     memory_budget: float | None,
     build_time: float,
+    alternatives: bool = True,
 ) -> ShardingPlan:
-    """Turn a solver choice into a ``ShardingPlan``."""
+    """Turn a solver choice into a ``ShardingPlan``; without ``alternatives`` its choices
+    carry none (for plans only read for their layouts and costs, not ``explain``ed)."""
     chosen = [inst.strategies[v][c] for v, c in enumerate(sol.choice)]
-    alternatives = _alternatives(inst, sol, memory_budget, axis_names)
+    alts = (
+        _alternatives(inst, sol, memory_budget, axis_names)
+        if alternatives
+        else [()] * (inst.num_inputs + inst.num_ops)
+    )
     op_collectives = [
         PlannedCollective(
             c.kind, c.axes, c.nbytes, c.seconds * node.multiplier * node.comm_scale, "op", node.id
@@ -58,8 +64,8 @@ def read_plan(
     return ShardingPlan(
         mesh_shape=tuple(cost.mesh.shape),
         axis_names=tuple(axis_names),
-        tensors=_tensor_plans(graph, inst, chosen, alternatives),
-        nodes=_node_plans(graph, inst, chosen, alternatives),
+        tensors=_tensor_plans(graph, inst, chosen, alts),
+        nodes=_node_plans(graph, inst, chosen, alts),
         inputs=tuple(graph.inputs),
         outputs=tuple(graph.outputs),
         output_specs=tuple(chosen[v].out_specs[0] for v in inst.sinks),
