@@ -8,6 +8,7 @@ costs alpha + 2 beta (n-1)/n B and an all-gather of a B-byte result alpha + beta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -229,6 +230,27 @@ def test_alternatives_equal_a_plain_loop_over_the_ilp_edges() -> None:
         assert chosen.total == pytest.approx(
             n.compute + n.comm + reshard[v][sol.choice[v]], rel=1e-12, abs=1e-18
         )
+
+
+def test_a_plan_read_without_alternatives_is_the_same_plan_without_them() -> None:
+    """``read_plan(alternatives=False)`` (stage ILPs): every layout, cost, collective and the
+    peak as with them; no choice carries alternatives."""
+    p, x, y = mlp_inputs(64, 32)
+    graph = trace_jaxpr(jax.make_jaxpr(sgd_step)(p, x, y), ["param", "param", "batch", "batch"])
+    cost = CostModel(CPU, CPU.logical_mesh((2, 4)))
+    inst = build_sharding_problem(graph, cost)
+    sol = solve_sharding(inst.problem, lp_first=True)
+    full = read_plan(graph, cost, ("x", "y"), inst, sol, None, 0.0)
+    bare = read_plan(graph, cost, ("x", "y"), inst, sol, None, 0.0, alternatives=False)
+    assert any(n.alternatives for n in full.nodes)
+    assert all(n.alternatives == () for n in bare.nodes)
+    assert all(t.alternatives == () for t in bare.tensors)
+    strip = functools.partial(dataclasses.replace, alternatives=())
+    assert bare.nodes == tuple(map(strip, full.nodes))
+    assert bare.tensors == tuple(map(strip, full.tensors))
+    assert (bare.collectives, bare.peak_memory, bare.predicted_time) == (
+        full.collectives, full.peak_memory, full.predicted_time,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------- JSON
