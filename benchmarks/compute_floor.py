@@ -26,7 +26,7 @@ import math
 import time
 from typing import Any
 
-from benchmarks._report import RESULTS, update_section
+from benchmarks._report import RESULTS, earlier_rows, update_section
 from benchmarks.baseline_names import FAITHFUL, faithful_target
 
 __all__ = ["main", "row_floor", "to_markdown"]
@@ -34,20 +34,14 @@ __all__ = ["main", "row_floor", "to_markdown"]
 PROG = "alpa-mini bench compute-floor"
 OUT = RESULTS / "compute-floor.json"
 QUALITY = RESULTS / "plan-quality.json"
-#: The roles of the step's three arguments (``alpa_mini.api``: params, state, batch last).
-ROLES = ("param", "state", "batch")
 
 
 def row_floor(model: str) -> float:
-    """``step_floor`` of ``model``'s Adam step on its plan-quality row's GPUs, cut into layers
-    at the model's own boundaries (as ``alpa-mini plan`` cuts it)."""
-    import jax
-
-    from alpa_mini.graph.micro_batch import value_and_grad
-    from alpa_mini.models import adam, make_train_step
+    """``alpa_mini.cli.main.model_floor`` of ``model``'s Adam step on its plan-quality row's
+    GPUs, cut into layers at the model's own boundaries (as ``alpa-mini plan`` cuts it)."""
+    from alpa_mini.cli.main import model_floor
     from alpa_mini.models.specs import ModelSpec
     from alpa_mini.options.pipeshard import ManualLayerOption, PipeshardParallel
-    from alpa_mini.pipeline.executable import StepFun, traced_floor
     from benchmarks.plan_quality import cluster_for
 
     spec = ModelSpec.load_any(model)
@@ -55,19 +49,12 @@ def row_floor(model: str) -> float:
         spec = dataclasses.replace(
             spec, config=dataclasses.replace(spec.config, pipeline_marks=True)
         )
-    opt = adam(1e-4)
-    params = spec.abstract_params()
-    args = (params, jax.eval_shape(opt.init, params), spec.abstract_batch(None))
-    leaves, tree = jax.tree.flatten(args)
-    roles = [r for r, a in zip(ROLES, args, strict=True) for _ in jax.tree.leaves(a)]
-    step = StepFun(make_train_step(spec.loss_fn(), opt, value_and_grad), (), tree)
-    method = PipeshardParallel(num_micro_batches=1, layer_option=ManualLayerOption())
-    return traced_floor(step, leaves, roles, method, cluster_for(spec.gpus))
+    method = PipeshardParallel(layer_option=ManualLayerOption())
+    return model_floor(spec, method, cluster_for(spec.gpus))
 
 
 def _quality_rows() -> dict[str, dict[str, Any]]:
-    rows = json.loads(QUALITY.read_text()) if QUALITY.exists() else []
-    return {r["model"]: r for r in rows}
+    return {r["model"]: r for r in earlier_rows(QUALITY.name)}
 
 
 def _time(side: Any) -> float | None:
@@ -132,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         rows = ", ".join(quality)
         parser.error(f"--models: {unknown[0]!r} has no plan-quality row; rows: {rows}")
-    kept = [] if args.no_write or not OUT.exists() else json.loads(OUT.read_text())
+    kept = [] if args.no_write else earlier_rows(OUT.name)
     for model in models:
         t0 = time.perf_counter()
         result = {

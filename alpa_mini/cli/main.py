@@ -16,7 +16,7 @@ from ..solvers.errors import InfeasibleError, SolverInputError, SolverTimeLimitE
 from ..solvers.sharding.problem import ShardingProblem, load_iopddl
 from ..solvers.sharding.solve import ShardingSolution, solve_sharding
 
-__all__ = ["main"]
+__all__ = ["main", "model_floor"]
 
 EXAMPLE = "example_problem.json"
 
@@ -299,7 +299,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         + f", cost-table entries {p.cost_entries} ({p.cache_hits} from the cache)"
     )
     if args.floor:
-        floor = _model_floor(spec, method, cluster, args, args.activations == "recomputed")
+        recompute = args.activations == "recomputed"
+        floor = model_floor(spec, method, cluster, args.batch_size, recompute)
         console.print(
             f"compute floor {floor * 1e3:.4g} ms/iter (the whole batch's work over all "
             f"{cluster.num_devices} devices, no communication): this plan is "
@@ -311,7 +312,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _model_step(spec, args: argparse.Namespace, recompute: bool):
+def _model_step(spec, batch_size: int | None, recompute: bool):
     """The bundled model's Adam step and its abstract (params, state, batch); ``recompute``:
     every block under ``jax.checkpoint`` (the model config's ``remat``)."""
     import dataclasses
@@ -326,7 +327,7 @@ def _model_step(spec, args: argparse.Namespace, recompute: bool):
     opt = adam(1e-4)
     params = spec.abstract_params()
     state = jax.eval_shape(opt.init, params)
-    batch = spec.abstract_batch(args.batch_size)
+    batch = spec.abstract_batch(batch_size)
     return make_train_step(spec.loss_fn(), opt, value_and_grad), (params, state, batch)
 
 
@@ -334,18 +335,21 @@ def _plan_model(spec, method, cluster, args: argparse.Namespace, recompute: bool
     """``alpa_mini.plan`` of the bundled model's Adam step from abstract shapes."""
     from ..api import plan
 
-    step, step_args = _model_step(spec, args, recompute)
+    step, step_args = _model_step(spec, args.batch_size, recompute)
     with Console(stderr=True).status("planning") as status:
         return plan(step, *step_args, method=method, cluster=cluster, progress=status.update)
 
 
-def _model_floor(spec, method, cluster, args: argparse.Namespace, recompute: bool) -> float:
-    """``executable.traced_floor`` of the bundled model's step: the seconds per iteration no
-    plan beats on ``cluster`` under the cost model."""
+def model_floor(
+    spec, method, cluster, batch_size: int | None = None, recompute: bool = False
+) -> float:
+    """``executable.traced_floor`` of a bundled model's Adam step (``alpa-mini plan``'s, also
+    read by ``benchmarks/compute_floor.py``): the seconds per iteration no plan beats on
+    ``cluster`` under the cost model."""
     from ..api import parallelize
     from ..pipeline.executable import StepFun, traced_floor
 
-    step, step_args = _model_step(spec, args, recompute)
+    step, step_args = _model_step(spec, batch_size, recompute)
     call = parallelize(step, method=method)._prepare(step_args)
     return traced_floor(StepFun(step, (), call.in_tree), call.avals, call.roles, method, cluster)
 
