@@ -50,6 +50,7 @@ from .executable import (
     trace_step,
 )
 from .plan import PipeshardPlan
+from .ray_keys import KeysAsData, data_aval, data_to_keys, key_impls, keys_to_data
 
 __all__ = [
     "HostStreams",
@@ -283,6 +284,10 @@ class RayPipeshardExecutable:
     last_dispatch_seconds: float = 0.0  # the driver's part of the last step: issuing calls
     #: The user's flat leaves <-> the step's when scanned stacks are split into row pieces.
     pieces: PieceMap | None = None
+    #: PRNG key argument leaves and outputs (flat index -> implementation): they travel as
+    #: their key data (``ray_keys``).
+    key_inputs: dict[int, str] = field(default_factory=dict)
+    key_outputs: dict[int, str] = field(default_factory=dict)
     _program_table: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
     _out_paths: list[str] | None = field(default=None, repr=False)  # outputs' key paths
 
@@ -359,6 +364,8 @@ class RayPipeshardExecutable:
     def _run(self, args: tuple[Any, ...], timed: bool) -> Any:
 
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
+        if self.key_inputs:
+            keys_to_data(flat, self.key_inputs, self._arg_names())
         if self.pieces is not None:
             flat = self.pieces.split_inputs(flat, lambda x, a, b, i: _remote_rows(x, a, b))
         step = next(self.session.steps)  # unique in the session: mailboxes never mix steps
@@ -395,7 +402,13 @@ class RayPipeshardExecutable:
         if self.pieces is not None:
             outs = self.pieces.join_outputs(outs, _join_remote)
         self._label(outs, step)
+        data_to_keys(outs, self.key_outputs)
         return jax.tree.unflatten(self.out_tree, outs)
+
+    def _arg_names(self) -> list[str]:
+        """Each dynamic argument leaf's path (``[2]['key']``), as errors name it."""
+        tree = jax.tree.unflatten(self.in_tree, range(self.in_tree.num_leaves))
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     def _collect(self, step: int, refs: list[Any]) -> list[tuple[int, Any]]:
         """Every host's result of ``step``. A worker that dies, or stops answering the
@@ -476,7 +489,13 @@ class RayPipeshardExecutable:
     def remote_slots(self, avals: Sequence[Any]) -> list[RemoteSlot]:
         """Where this step reads each argument leaf: ``restore_checkpoint`` targets that put
         values on the workers reading them, in the layouts they read them in."""
-        return [RemoteSlot(self, i, tuple(a.shape), np.dtype(a.dtype)) for i, a in enumerate(avals)]
+        # A PRNG key is read on the driver and sent as its data each step (``ray_keys``).
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype)
+            if is_prng_key(a)
+            else RemoteSlot(self, i, tuple(a.shape), np.dtype(a.dtype))
+            for i, a in enumerate(avals)
+        ]
 
     def step_inputs(self, leaf: int) -> list[tuple[str, int | None, int | None]]:
         """The step inputs user argument leaf ``leaf`` becomes: (name, first row, stop row),
@@ -697,14 +716,11 @@ def compile_pipeshard_ray(
     ``donated``: argument leaves the step may consume (a worker's resident copy)."""
 
     t0 = time.perf_counter()
-    keys = [k for k, a in enumerate(avals) if is_prng_key(a)]
-    if keys:  # the workers exchange arguments and results as NumPy arrays
-        raise ConfigError(
-            f"argument leaf {keys[0]}: a PRNG key ({avals[keys[0]].dtype}) is not supported by "
-            "the Ray runtime; pass jax.random.key_data(key) and wrap it in the step with "
-            "jax.random.wrap_key_data, or run on the local runtime"
-        )
-    step_fun = StepFun(fun, static, in_tree)
+    step_fun: Any = StepFun(fun, static, in_tree)
+    impls = key_impls(avals)
+    if impls:  # the workers exchange arguments and results as NumPy arrays: keys as data
+        step_fun = KeysAsData(step_fun, impls)
+        avals = [data_aval(a) if k in impls else a for k, a in enumerate(avals)]
     if (
         method.plan is None
         and isinstance(method.stage_option, AutoStageOption)
@@ -747,4 +763,6 @@ def compile_pipeshard_ray(
         static_argnums=tuple(i for i, _ in static),
         planning_time=time.perf_counter() - t0,
         pieces=prepared.pieces,
+        key_inputs=impls,
+        key_outputs=dict(step_fun.out_impls) if impls else {},
     )

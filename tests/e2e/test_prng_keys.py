@@ -91,17 +91,45 @@ def test_the_default_batch_is_the_last_argument_that_is_not_only_keys():
     assert step._prepare((params, state, batch, jax.random.key(7))).roles[-1] == "state"
 
 
-def test_the_ray_runtime_refuses_key_arguments_naming_the_leaf():
-    from alpa_mini.pipeline.ray_driver import compile_pipeshard_ray
+def test_on_ray_keys_travel_as_their_data_and_come_back_as_keys():
+    """The Ray runtime's adapter (``ray_keys``; the run itself: tests/runtime/test_ray_runtime):
+    the traced step takes each key as its data and returns key outputs as data; the driver
+    turns arguments into data and outputs back into keys of the planned implementation."""
+    from alpa_mini.pipeline.executable import StepFun
+    from alpa_mini.pipeline.ray_keys import (
+        KeysAsData,
+        data_aval,
+        data_to_keys,
+        key_impls,
+        keys_to_data,
+    )
 
-    params, state, batch = _data()
-    args = (params, state, batch, jax.random.key(7))
-    call = alpa_mini.parallelize(_step(alpa_mini.value_and_grad))._prepare(args)
-    with pytest.raises(ConfigError, match=r"argument leaf \d+: a PRNG key .* not supported"):
-        compile_pipeshard_ray(
-            _step(alpa_mini.value_and_grad), call.avals, call.roles, call.in_tree, (),
-            METHODS["pipeshard"], alpa_mini.ClusterSpec.named("cpu-1x8"), session=None,
-        )  # fmt: skip
+    def step(x, key):
+        return x + jax.random.uniform(key, x.shape), jax.random.split(key)[0]
+
+    key = jax.random.key(5, impl="rbg")
+    flat, tree = jax.tree.flatten((jnp.zeros(3), key))
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
+    impls = key_impls(avals)
+    assert impls == {1: "rbg"} and data_aval(avals[1]).shape == (4,)
+    wrapped = KeysAsData(StepFun(step, (), tree), impls)
+    keys_to_data(flat, impls, ["[0]", "[1]"])
+    assert isinstance(flat[1], np.ndarray) and flat[1].dtype == np.uint32
+    out = list(jax.jit(wrapped)(*flat))
+    assert wrapped.out_impls == {1: "rbg"} and out[1].dtype == np.uint32
+    data_to_keys(out, wrapped.out_impls)
+    want = step(jnp.zeros(3), key)
+    np.testing.assert_array_equal(out[0], want[0])
+    np.testing.assert_array_equal(jax.random.key_data(out[1]), jax.random.key_data(want[1]))
+    # An argument that is not a key of the planned implementation is named.
+    with pytest.raises(
+        ConfigError, match=r"argument leaf \[1\]: key<fry> is a threefry2x32 key; .* for a rbg"
+    ):
+        keys_to_data([jnp.zeros(3), jax.random.key(5)], impls, ["[0]", "[1]"])
+    with pytest.raises(
+        ConfigError, match=r"argument leaf \[1\]: uint32 is not a PRNG key; .* for a rbg"
+    ):
+        keys_to_data([jnp.zeros(3), jax.random.key_data(key)], impls, ["[0]", "[1]"])
 
 
 def test_draws_and_debug_prints_run_replicated_without_a_warning(devices8, caplog):

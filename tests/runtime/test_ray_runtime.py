@@ -141,6 +141,7 @@ def ray_results(tmp_path_factory):
                 }
                 first_step = step
         results["scanned"] = _scanned_on_ray()
+        results["keys"] = _keys_on_ray()
         # Last, as it kills a worker: the errors, in the same session.
         results["errors"] = _worker_failures(first_step)
     finally:
@@ -191,6 +192,60 @@ def _scanned_on_ray() -> dict:
         "params": params,
         "batch": batch,
     }
+
+
+def _key_step(value_and_grad):
+    """An SGD step that draws its noise from a typed key argument and returns the next key."""
+    opt = sgd(0.1)
+
+    def loss(p, b, key):
+        noise = 0.01 * jax.random.normal(key, (GPT.hidden,))
+        return gpt_loss(p, b, GPT) + jax.numpy.sum(noise * p["ln_f"]["scale"])
+
+    def step(params, opt_state, batch, key):
+        key, sub = jax.random.split(key)
+        value, grads = value_and_grad(loss)(params, batch, sub)
+        params, opt_state = opt.update(grads, opt_state, params)
+        return params, opt_state, key, value
+
+    return step, opt
+
+
+def _keys_on_ray() -> dict:
+    """Two SGD steps of ``_key_step`` on two hosts, the key passed and returned each step."""
+    params, batch = _data()
+    step_fn, opt = _key_step(alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2))
+    step = alpa_mini.parallelize(step_fn, method=method)
+    p, s, key = params, opt.init(params), jax.random.key(3, impl="rbg")
+    for _ in range(2):
+        p, s, key, loss = step(p, s, batch, key)
+    slots = jax.tree.leaves(step.input_layouts(p, s, batch, key))
+    return {
+        "got": [np.asarray(x) for x in jax.tree.leaves(p)],
+        "key": key,
+        "loss": float(loss),
+        "slots": (type(slots[-1]).__name__, slots[-1].dtype, type(slots[0]).__name__),
+    }
+
+
+def test_a_typed_key_argument_travels_to_the_workers_as_its_data(ray_results):
+    r = ray_results["keys"]
+    step_fn, opt = _key_step(jax.value_and_grad)
+    serial = jax.jit(step_fn)
+    params, batch = _data()
+    p, s, key = params, opt.init(params), jax.random.key(3, impl="rbg")
+    for _ in range(2):
+        p, s, key, loss = serial(p, s, batch, key)
+    for a, b in zip(jax.tree.leaves(p), r["got"], strict=True):
+        np.testing.assert_allclose(b, np.asarray(a), atol=1e-6, rtol=0)
+    assert r["loss"] == pytest.approx(float(loss), abs=1e-6)
+    # The key comes back a key of its own implementation, with the same bits.
+    assert str(jax.random.key_impl(r["key"])) == "rbg"
+    np.testing.assert_array_equal(jax.random.key_data(r["key"]), jax.random.key_data(key))
+    # A checkpoint target reads the key on the driver; arrays are read on the workers.
+    assert r["slots"][:2] == ("ShapeDtypeStruct", r["key"].dtype)
+    assert r["slots"][2] == "RemoteSlot"
 
 
 def test_a_scanned_stack_cut_over_two_hosts_equals_serial_jax(ray_results):
