@@ -141,7 +141,7 @@ def ray_results(tmp_path_factory):
                 }
                 first_step = step
         results["scanned"] = _scanned_on_ray()
-        results["keys"] = _keys_on_ray()
+        results["keys"] = _keys_on_ray(tmp_path_factory.mktemp("ray_keys"))
         # Last, as it kills a worker: the errors, in the same session.
         results["errors"] = _worker_failures(first_step)
     finally:
@@ -211,8 +211,9 @@ def _key_step(value_and_grad):
     return step, opt
 
 
-def _keys_on_ray() -> dict:
-    """Two SGD steps of ``_key_step`` on two hosts, the key passed and returned each step."""
+def _keys_on_ray(ckpt) -> dict:
+    """Two SGD steps of ``_key_step`` on two hosts, the key passed and returned each step;
+    then the state and key saved, restored where the step reads them, and one more step."""
     params, batch = _data()
     step_fn, opt = _key_step(alpa_mini.value_and_grad)
     method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2))
@@ -220,7 +221,11 @@ def _keys_on_ray() -> dict:
     p, s, key = params, opt.init(params), jax.random.key(3, impl="rbg")
     for _ in range(2):
         p, s, key, loss = step(p, s, batch, key)
-    slots = jax.tree.leaves(step.input_layouts(p, s, batch, key))
+    layouts = step.input_layouts(p, s, batch, key)
+    slots = jax.tree.leaves(layouts)
+    alpa_mini.save_checkpoint(ckpt, (p, s, key), step=2, wait=True)
+    p, s, key = alpa_mini.restore_checkpoint(ckpt, target=(layouts[0], layouts[1], layouts[3]))
+    p, s, key, loss = step(p, s, batch, key)
     return {
         "got": [np.asarray(x) for x in jax.tree.leaves(p)],
         "key": key,
@@ -235,7 +240,7 @@ def test_a_typed_key_argument_travels_to_the_workers_as_its_data(ray_results):
     serial = jax.jit(step_fn)
     params, batch = _data()
     p, s, key = params, opt.init(params), jax.random.key(3, impl="rbg")
-    for _ in range(2):
+    for _ in range(3):
         p, s, key, loss = serial(p, s, batch, key)
     for a, b in zip(jax.tree.leaves(p), r["got"], strict=True):
         np.testing.assert_allclose(b, np.asarray(a), atol=1e-6, rtol=0)
@@ -243,7 +248,8 @@ def test_a_typed_key_argument_travels_to_the_workers_as_its_data(ray_results):
     # The key comes back a key of its own implementation, with the same bits.
     assert str(jax.random.key_impl(r["key"])) == "rbg"
     np.testing.assert_array_equal(jax.random.key_data(r["key"]), jax.random.key_data(key))
-    # A checkpoint target reads the key on the driver; arrays are read on the workers.
+    # A checkpoint target reads the key on the driver (and restores it a key, as the third
+    # step above shows); arrays are read on the workers.
     assert r["slots"][:2] == ("ShapeDtypeStruct", r["key"].dtype)
     assert r["slots"][2] == "RemoteSlot"
 
