@@ -52,6 +52,7 @@ __all__ = [
     "apply_scan_splits",
     "arg_layouts",
     "compile_pipeshard",
+    "leaf_paths",
     "plan_pipeshard",
     "prepare_step",
     "split_leaf_indices",
@@ -200,8 +201,13 @@ class StepFun:
     @property
     def leaf_names(self) -> list[str]:
         """Each flat leaf's path in the dynamic arguments (``[2]['x']``), as errors name it."""
-        tree = jax.tree.unflatten(self.in_tree, range(self.in_tree.num_leaves))
-        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        return leaf_paths(self.in_tree)
+
+
+def leaf_paths(tree_def: Any) -> list[str]:
+    """Each leaf's key path in a pytree of structure ``tree_def`` (``[2]['x']``)."""
+    tree = jax.tree.unflatten(tree_def, range(tree_def.num_leaves))
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def add_buffers(a: Any, b: Any) -> Any:

@@ -44,6 +44,7 @@ from .executable import (
     StepFun,
     add_buffers,
     apply_scan_splits,
+    leaf_paths,
     prepare_step,
     split_leaf_indices,
     stage_lowerings,
@@ -365,7 +366,7 @@ class RayPipeshardExecutable:
 
         flat = dynamic_leaves(args, self.static_argnums, self.in_tree, self.fun_name)
         if self.key_inputs:
-            keys_to_data(flat, self.key_inputs, self._arg_names())
+            keys_to_data(flat, self.key_inputs, leaf_paths(self.in_tree))
         if self.pieces is not None:
             flat = self.pieces.split_inputs(flat, lambda x, a, b, i: _remote_rows(x, a, b))
         step = next(self.session.steps)  # unique in the session: mailboxes never mix steps
@@ -404,11 +405,6 @@ class RayPipeshardExecutable:
         self._label(outs, step)
         data_to_keys(outs, self.key_outputs)
         return jax.tree.unflatten(self.out_tree, outs)
-
-    def _arg_names(self) -> list[str]:
-        """Each dynamic argument leaf's path (``[2]['key']``), as errors name it."""
-        tree = jax.tree.unflatten(self.in_tree, range(self.in_tree.num_leaves))
-        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     def _collect(self, step: int, refs: list[Any]) -> list[tuple[int, Any]]:
         """Every host's result of ``step``. A worker that dies, or stops answering the
@@ -474,10 +470,7 @@ class RayPipeshardExecutable:
     def _label(self, outs: list[Any], step: int) -> None:
         """Name each output handle (key path, step) for the errors that report it lost."""
         if self._out_paths is None:  # the same every step: worked out once
-            flat = jax.tree_util.tree_flatten_with_path(
-                jax.tree.unflatten(self.out_tree, range(len(outs)))
-            )[0]
-            self._out_paths = [jax.tree_util.keystr(path) for path, _ in flat]
+            self._out_paths = leaf_paths(self.out_tree)
         for path, x in zip(self._out_paths, outs, strict=True):
             name = f"{self.fun_name} output{path} of step {step}"
             if isinstance(x, StackedRemoteArray):
