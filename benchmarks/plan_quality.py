@@ -10,10 +10,9 @@ the family's faithful baseline (Megatron-LM for GPT, DeepSpeed-MoE for MoE, PP-D
 Wide-ResNet: ``benchmarks.baselines.FAITHFUL``), and our plan (``AutoStageOption(refine=True,
 logical_shapes=OUR_LOGICAL_SHAPES, memory_lean=True)``), each the fastest over the same
 micro-batch counts; the ratio ours / best baseline (target: <= 1.00, ``BEST_TARGET``), ours /
-faithful baseline (targets: ``faithful_target``) and ours /
-strong grid; our planning time. Every row runs in a fresh process (no warm caches). Rows
-written before the faithful baselines name the strong grid "megatron" and have no faithful
-figure but PP-DP's.
+faithful baseline (targets: ``faithful_target``) and ours / strong grid; our planning time.
+Every row runs in a fresh process (no warm caches). Rows written before the faithful
+baselines name the strong grid "megatron" and have no faithful figure but PP-DP's.
 """
 
 from __future__ import annotations
