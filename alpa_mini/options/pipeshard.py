@@ -78,7 +78,10 @@ class AutoLayerOption:
 
 @dataclass(frozen=True)
 class ManualLayerOption:
-    """Layers end at the step's ``mark_pipeline_boundary()`` calls."""
+    """Layers end at the step's ``mark_pipeline_boundary()`` calls. A step without any is cut
+    at its repeated blocks (a Python loop over layers: one layer per block, one per stretch
+    between runs of alike blocks; ``pipeline.layers.repeated_block_starts``), or stays one
+    layer where nothing repeats that holds most of its flops."""
 
 
 @dataclass(frozen=True)

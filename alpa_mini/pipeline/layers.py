@@ -23,6 +23,7 @@ from ..graph.markers import MARKER_NAME
 from ..options.pipeshard import AutoLayerOption, ManualLayerOption
 from ..solvers.errors import InfeasibleError
 from ..solvers.layer_clustering import cluster_layers, cut_bytes_from_tensors
+from ..solvers.repeated_blocks import block_layer_starts, find_repeated_blocks
 
 __all__ = [
     "cluster_layer_starts",
@@ -78,6 +79,23 @@ def cluster_layer_starts(
     flops = np.array([eqn_total_flops(e) for e in eqns], dtype=np.float64)
     # Every equation weighs at least a little, so zero-flop stretches still get balanced.
     flops = np.maximum(flops, 1e-3 * max(float(flops.sum()), 1.0) / n)
+    cuts = _cut_bytes(jaxpr)
+    used = DEFAULT_EPS if eps is None else eps
+    try:
+        result = cluster_layers(flops, cuts, num_layers, used)
+    except InfeasibleError as err:
+        min_eps = (err.details or {}).get("min_eps")
+        if eps is not None or min_eps is None or not math.isfinite(min_eps):
+            raise
+        used = float(min_eps) * (1 + 1e-9) + 1e-12  # the bound itself, past rounding
+        result = cluster_layers(flops, cuts, num_layers, used)
+    return tuple(int(s) for s in result.layer_starts), used
+
+
+def _cut_bytes(jaxpr: Jaxpr) -> np.ndarray:
+    """Bytes crossing the boundary after each equation but the last (values made before it
+    and read after it, or returned)."""
+    eqns, n = jaxpr.eqns, len(jaxpr.eqns)
     producer: dict[Any, int] = {}
     last_use: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
@@ -91,21 +109,33 @@ def cluster_layer_starts(
             last_use[v] = n
     vars_ = [v for v in producer if v in last_use]
     sizes = [v.aval.size * v.aval.dtype.itemsize for v in vars_]
-    cuts = (
-        cut_bytes_from_tensors(n, [producer[v] for v in vars_], [last_use[v] for v in vars_], sizes)
-        if n > 1
-        else np.zeros(0)
+    if n <= 1:
+        return np.zeros(0)
+    return cut_bytes_from_tensors(
+        n, [producer[v] for v in vars_], [last_use[v] for v in vars_], sizes
     )
-    used = DEFAULT_EPS if eps is None else eps
-    try:
-        result = cluster_layers(flops, cuts, num_layers, used)
-    except InfeasibleError as err:
-        min_eps = (err.details or {}).get("min_eps")
-        if eps is not None or min_eps is None or not math.isfinite(min_eps):
-            raise
-        used = float(min_eps) * (1 + 1e-9) + 1e-12  # the bound itself, past rounding
-        result = cluster_layers(flops, cuts, num_layers, used)
-    return tuple(int(s) for s in result.layer_starts), used
+
+
+def repeated_block_starts(jaxpr: Jaxpr) -> tuple[int, ...] | None:
+    """Layer starts of a step without markers whose loss applies blocks several times in a
+    row (a Python loop over layers): one layer per block, and one per stretch between runs
+    of alike blocks (``solvers.repeated_blocks``); None where the runs hold less than half
+    the flops. Equations compare by primitive, parameters and shapes."""
+    eqns = jaxpr.eqns
+    if len(eqns) < 2:
+        return None
+    ids: dict[str, int] = {}
+    sig = [
+        ids.setdefault(
+            f"{_op_text(e)}({','.join(_aval_text(v.aval) for v in e.invars)})"
+            f"->({','.join(_aval_text(v.aval) for v in e.outvars)})",
+            len(ids),
+        )
+        for e in eqns
+    ]
+    flops = [eqn_total_flops(e) for e in eqns]
+    runs = find_repeated_blocks(sig, _cut_bytes(jaxpr), flops)
+    return block_layer_starts(runs, len(eqns)) if runs else None
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -142,6 +172,11 @@ def _literal_text(val: Any) -> str:
     return text
 
 
+def _op_text(eqn: Any) -> str:
+    """An equation's primitive and parameters, as layer hashes and signatures spell them."""
+    return f"{eqn.primitive.name}[{sorted(eqn.params.items(), key=lambda kv: kv[0])!r}]"
+
+
 def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
     """A structural hash of a run of equations and the values it hands on: equal for layers
     that differ only in which variables they read (the same block on other parameters)."""
@@ -156,10 +191,9 @@ def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any
 
     parts = [",".join(name(v) for v in invars)]
     for eqn in eqns:
-        params = {k: v for k, v in eqn.params.items()}
         parts.append(
-            f"{eqn.primitive.name}[{sorted(params.items(), key=lambda kv: kv[0])!r}]"
-            f"({','.join(name(v) for v in eqn.invars)})->({','.join(name(v) for v in eqn.outvars)})"
+            f"{_op_text(eqn)}({','.join(name(v) for v in eqn.invars)})"
+            f"->({','.join(name(v) for v in eqn.outvars)})"
         )
     parts.append("out:" + ",".join(name(v) for v in outvars))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -175,7 +209,11 @@ def layer_starts(
 def layer_starts_and_eps(
     forward: ClosedJaxpr, option: AutoLayerOption | ManualLayerOption
 ) -> tuple[tuple[int, ...], float | None]:
-    """``layer_starts`` and the flop balance eps the clustering used (None for markers)."""
+    """``layer_starts`` and the flop balance eps the clustering used (None for markers). A
+    step without markers is cut at its repeated blocks where it has them."""
     if isinstance(option, AutoLayerOption):
         return cluster_layer_starts(forward.jaxpr, option.layer_num, option.eps)
-    return marker_layer_starts(forward.jaxpr), None
+    starts = marker_layer_starts(forward.jaxpr)
+    if len(starts) == 1 and not _has_marker(forward.jaxpr):
+        starts = repeated_block_starts(forward.jaxpr) or starts
+    return starts, None

@@ -52,6 +52,14 @@ def marked_mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def loop_mlp_loss(params, batch):
+    """``marked_mlp_loss`` without its markers: a plain Python loop over the layers."""
+    x = batch["x"]
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
 def marked_mlp_args(
     layers: int = 4, width: int = 16, batch: int = 32, *, scale: float = 0.3, zero_y: bool = False
 ):

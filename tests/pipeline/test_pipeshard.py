@@ -32,7 +32,7 @@ from alpa_mini.models import (
     make_train_step,
     sgd,
 )
-from helpers.mlp import marked_mlp_args, marked_mlp_loss
+from helpers.mlp import loop_mlp_loss, marked_mlp_args, marked_mlp_loss
 
 
 def _mlp_case(layers: int = 4, width: int = 16, batch: int = 32):
@@ -176,6 +176,34 @@ def test_identical_layers_are_solved_once():
     assert p.ilps_solved == 3 * 10 + (len(ex.plan.stages) == 1)
     assert p.cost_entries == 21 * 10
     assert p.cache_hits == 3 * 10  # layers 2..4 of the middle four, on each config
+
+
+def test_a_step_without_markers_is_cut_at_its_repeated_blocks():
+    """A loop over layers, unmarked: each iteration is one layer (the loss one more), as its
+    marked twin is cut, and two stages still equal serial JAX."""
+    _init("cpu-1x8")
+    params, data = marked_mlp_args(layers=4)
+    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(2, (1, 4)))
+    plan = _run(loop_mlp_loss, params, data, method).plan
+    starts = plan.layer_starts
+    assert plan.num_layers == 5 and len({b - a for a, b in itertools.pairwise(starts[:5])}) == 1
+    marked = _run(marked_mlp_loss, params, data, method).plan
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 1), (2, 4)]
+    # The marked twin cuts at the same blocks (its loss stays in the last block's layer).
+    assert [(s.layer_start, s.layer_end) for s in marked.stages] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.slow  # 15 s on 2 cores
+def test_an_unmarked_gpt_gets_a_layer_per_block_solved_once():
+    """The GPT without markers, planned with the defaults: the embedding, each block, and the
+    head with the loss are layers, and the blocks after the first are cache hits."""
+    _init("cpu-2x4")
+    loss, params, data = _gpt_case(marks=False)
+    opt = sgd(0.1)
+    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
+    plan = alpa_mini.plan(step, params, opt.init(params), data, method=PipeshardParallel())
+    assert plan.num_layers == GPT.num_layers + 2
+    assert plan.planning.cache_hits > 0
 
 
 def test_too_small_memory_names_the_minimum():
