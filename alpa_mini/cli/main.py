@@ -125,6 +125,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="also offer the DP ZeRO-3-sharded layers, for when speed-chosen layers do not fit "
         "(default on)",
     )
+    plan.add_argument(
+        "--marks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cut layers at the model's own pipeline markers (default); --no-marks plans it "
+        "as an unmarked loop over its blocks, cut where its blocks repeat",
+    )
     plan.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     plan.add_argument(
         "--activations",
@@ -251,7 +258,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             cluster = dataclasses.replace(cluster, devices_per_host=args.devices_per_host)
         config = spec.config
         if hasattr(config, "pipeline_marks"):  # layers end at the model's own boundaries
-            config = dataclasses.replace(config, pipeline_marks=True)
+            config = dataclasses.replace(config, pipeline_marks=args.marks)
             spec = dataclasses.replace(spec, config=config)
         if args.activations != "stored" and not hasattr(spec.config, "remat"):
             if args.activations == "recomputed":

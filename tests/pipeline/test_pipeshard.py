@@ -193,19 +193,6 @@ def test_a_step_without_markers_is_cut_at_its_repeated_blocks():
     assert [(s.layer_start, s.layer_end) for s in marked.stages] == [(0, 1), (2, 3)]
 
 
-@pytest.mark.slow  # 15 s on 2 cores
-def test_an_unmarked_gpt_gets_a_layer_per_block_solved_once():
-    """The GPT without markers, planned with the defaults: the embedding, each block, and the
-    head with the loss are layers, and the blocks after the first are cache hits."""
-    _init("cpu-2x4")
-    loss, params, data = _gpt_case(marks=False)
-    opt = sgd(0.1)
-    step = make_train_step(loss, opt, alpa_mini.value_and_grad)
-    plan = alpa_mini.plan(step, params, opt.init(params), data, method=PipeshardParallel())
-    assert plan.num_layers == GPT.num_layers + 2
-    assert plan.planning.cache_hits > 0
-
-
 def test_too_small_memory_names_the_minimum():
     _init("cpu-1x8")
     loss, params, data = _mlp_case()
@@ -291,6 +278,12 @@ def test_cli_plan_from_abstract_shapes(tmp_path):
     assert sum(len(s.devices) for s in plan.stages) == 8
     assert plan.num_layers == 5  # embedding + 4 blocks, cut at the model's pipeline marks
     assert plan.planning.ilps_solved < plan.planning.cost_entries
+    # Unmarked, the model is cut where its blocks repeat: the embedding, each block, the head
+    # with the loss; the blocks after the first are cache hits.
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "cpu-2x4", "--micro-batches", "4",
+                 "--no-marks", "--json", str(out)]) == 0  # fmt: skip
+    unmarked = PipeshardPlan.from_json(out.read_text())
+    assert unmarked.num_layers == 6 and unmarked.planning.cache_hits > 0
 
 
 def test_profile_times_every_instruction_and_matches_the_plain_step():
