@@ -2,8 +2,9 @@
 
 The forward loss is first flattened (``jit``/``closed_call`` bodies inlined, so markers and
 clustering see individual equations). Layers are contiguous equation ranges: cut at
-``mark_pipeline_boundary()`` markers, or chosen by ``solvers.layer_clustering`` (balanced
-flops, fewest bytes crossing a cut). A stage is a contiguous range of layers (``stage_slice``).
+``mark_pipeline_boundary()`` markers (a step without any: at its repeated blocks,
+``solvers.repeated_blocks``), or chosen by ``solvers.layer_clustering`` (balanced flops,
+fewest bytes crossing a cut). A stage is a contiguous range of layers (``stage_slice``).
 """
 
 from __future__ import annotations
