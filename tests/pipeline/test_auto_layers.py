@@ -77,3 +77,29 @@ def test_a_marker_inside_a_scan_body_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"mark_pipeline_boundary\(\): called inside a scan body"):
         alpa_mini.plan(step, params, jax.eval_shape(sgd(0.1).init, params), batch,
                        method=method, cluster=ClusterSpec.named("cpu-1x8"))  # fmt: skip
+
+
+@pytest.mark.parametrize("num_layers", [3, 5])
+def test_an_unmarked_gpt_is_cut_where_its_marked_twin_has_markers(num_layers: int) -> None:
+    """The repeated blocks found in the unmarked GPT's loss start exactly where the marked
+    GPT's markers end its layers (counted without the markers), with the head and loss one
+    more layer."""
+    from alpa_mini.graph.jaxpr_walk import flatten_calls
+    from alpa_mini.graph.markers import MARKER_NAME
+    from alpa_mini.models import GPTConfig, gpt_abstract_batch, gpt_abstract_params, gpt_loss
+    from alpa_mini.pipeline.layers import repeated_block_starts
+
+    def loss_jaxpr(marks: bool):
+        config = GPTConfig(vocab_size=64, seq_len=8, hidden=32, num_heads=4,
+                           num_layers=num_layers, pipeline_marks=marks)  # fmt: skip
+        loss = lambda p, b: gpt_loss(p, b, config)  # noqa: E731
+        args = (gpt_abstract_params(config), gpt_abstract_batch(config, 4))
+        return flatten_calls(jax.make_jaxpr(loss)(*args)).jaxpr
+
+    marked, unmarked = loss_jaxpr(True), loss_jaxpr(False)
+    markers = [i for i, e in enumerate(marked.eqns) if e.primitive.name == MARKER_NAME]
+    assert len(markers) == num_layers  # after the embedding and each block but the last
+    expected = [i - k for k, i in enumerate(markers)]  # where each layer after one starts
+    found = repeated_block_starts(unmarked)
+    assert found is not None and len(unmarked.eqns) == len(marked.eqns) - num_layers
+    assert list(found[: num_layers + 1]) == [0, *expected] and len(found) == num_layers + 2
