@@ -40,24 +40,26 @@ def mlp_forward(p, x):
     return jax.nn.relu(x @ p["w1"]) @ p["w2"]
 
 
-def marked_mlp_loss(params, batch):
-    """A tanh MLP with a pipeline boundary between layers (one layer per weight)."""
+def _tanh_mlp_loss(params, batch, marks: bool):
+    """A tanh MLP, one weight per layer; ``marks``: a pipeline boundary between layers."""
     from alpa_mini import mark_pipeline_boundary
 
     x = batch["x"]
     for i, w in enumerate(params):
         x = jnp.tanh(x @ w)
-        if i < len(params) - 1:
+        if marks and i < len(params) - 1:
             mark_pipeline_boundary()
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def marked_mlp_loss(params, batch):
+    """A tanh MLP with a pipeline boundary between layers (one layer per weight)."""
+    return _tanh_mlp_loss(params, batch, marks=True)
+
+
 def loop_mlp_loss(params, batch):
     """``marked_mlp_loss`` without its markers: a plain Python loop over the layers."""
-    x = batch["x"]
-    for w in params:
-        x = jnp.tanh(x @ w)
-    return jnp.mean((x - batch["y"]) ** 2)
+    return _tanh_mlp_loss(params, batch, marks=False)
 
 
 def marked_mlp_args(
