@@ -81,7 +81,8 @@ class ManualLayerOption:
     """Layers end at the step's ``mark_pipeline_boundary()`` calls. A step without any is cut
     at its repeated blocks (a Python loop over layers: one layer per block, one per stretch
     between runs of alike blocks; ``pipeline.layers.repeated_block_starts``), or stays one
-    layer where nothing repeats that holds most of its flops."""
+    layer where nothing repeats that holds most of its flops. Blocks that differ only in the
+    index they read a stacked weight or split keys at (``w[i]``, ``keys[i]``) are alike."""
 
 
 @dataclass(frozen=True)

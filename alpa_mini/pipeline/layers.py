@@ -121,14 +121,17 @@ def repeated_block_starts(jaxpr: Jaxpr) -> tuple[int, ...] | None:
     """Layer starts of a step without markers whose loss applies blocks several times in a
     row (a Python loop over layers): one layer per block, and one per stretch between runs
     of alike blocks (``solvers.repeated_blocks``); None where the runs hold less than half
-    the flops. Equations compare by primitive, parameters and shapes."""
+    the flops. Equations compare by primitive, parameters and shapes, but not by where a
+    ``slice`` starts: block i reading ``W[i]`` of a stacked weight or ``keys[i]`` of split
+    keys is the same block at another index."""
     eqns = jaxpr.eqns
     if len(eqns) < 2:
         return None
     ids: dict[str, int] = {}
     sig = [
         ids.setdefault(
-            f"{_op_text(e)}({','.join(_aval_text(v.aval) for v in e.invars)})"
+            f"{_op_text(e, _POSITIONS.get(e.primitive.name, ()))}"
+            f"({','.join(_aval_text(v.aval) for v in e.invars)})"
             f"->({','.join(_aval_text(v.aval) for v in e.outvars)})",
             len(ids),
         )
@@ -173,14 +176,30 @@ def _literal_text(val: Any) -> str:
     return text
 
 
-def _op_text(eqn: Any) -> str:
-    """An equation's primitive and parameters, as layer hashes and signatures spell them."""
-    return f"{eqn.primitive.name}[{sorted(eqn.params.items(), key=lambda kv: kv[0])!r}]"
+# Parameters that say where an equation reads, not what it computes: a block's signature
+# leaves them out (a layer's hash keeps them, since its jitted function is shared).
+_POSITIONS = {"slice": ("start_indices", "limit_indices")}
 
 
-def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any] = ()) -> str:
+def _op_text(eqn: Any, skip: tuple[str, ...] = ()) -> str:
+    """An equation's primitive and parameters (less ``skip``), as layer hashes and block
+    signatures spell them."""
+    params = sorted((kv for kv in eqn.params.items() if kv[0] not in skip), key=lambda kv: kv[0])
+    return f"{eqn.primitive.name}[{params!r}]"
+
+
+def layer_hash(
+    eqns: Sequence[Any],
+    invars: Sequence[Any],
+    outvars: Sequence[Any] = (),
+    *,
+    positions: bool = True,
+) -> str:
     """A structural hash of a run of equations and the values it hands on: equal for layers
-    that differ only in which variables they read (the same block on other parameters)."""
+    that differ only in which variables they read (the same block on other parameters).
+    ``positions=False`` also leaves out where slices start (``w[i]`` of a stacked weight),
+    which a layer's costs and layouts do not depend on but its jitted function does."""
+    skip = {} if positions else _POSITIONS
     names: dict[Any, str] = {}
 
     def name(v: Any) -> str:
@@ -193,7 +212,8 @@ def layer_hash(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any
     parts = [",".join(name(v) for v in invars)]
     for eqn in eqns:
         parts.append(
-            f"{_op_text(eqn)}({','.join(name(v) for v in eqn.invars)})"
+            f"{_op_text(eqn, skip.get(eqn.primitive.name, ()))}"
+            f"({','.join(name(v) for v in eqn.invars)})"
             f"->({','.join(name(v) for v in eqn.outvars)})"
         )
     parts.append("out:" + ",".join(name(v) for v in outvars))

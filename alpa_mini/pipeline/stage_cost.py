@@ -184,7 +184,7 @@ class _StageModel:
         diff = set(diff_in) | set(diff_out)
         kinds = tuple("const" if v in self.consts else (v in diff, self.role(v)) for v in sl.invars)
         key = (
-            layer_hash(sl.eqns, sl.invars, sl.outvars),
+            layer_hash(sl.eqns, sl.invars, sl.outvars, positions=False),
             kinds,
             tuple(v in diff for v in sl.outvars),
         )

@@ -193,6 +193,37 @@ def test_a_step_without_markers_is_cut_at_its_repeated_blocks():
     assert [(s.layer_start, s.layer_end) for s in marked.stages] == [(0, 1), (2, 3)]
 
 
+def _stacked_loop_loss(params, batch):
+    """An unmarked loop whose blocks read their weights from stacked arrays (``w0[i]``) and
+    draw dropout from split keys (``keys[i]``): each block slices at its own index."""
+    blocks = params["w0"].shape[0]
+    keys = jax.random.split(jax.random.key(0), blocks)
+    x = batch["x"]
+    for i in range(blocks):
+        h = jax.numpy.tanh(x @ params["w0"][i])
+        h = jax.numpy.where(jax.random.bernoulli(keys[i], 0.9, h.shape), h / 0.9, 0.0)
+        x = x + jax.numpy.tanh(h @ params["w1"][i])
+    return jax.numpy.mean((x - batch["y"]) ** 2)
+
+
+def test_blocks_that_read_stacked_weights_by_index_are_cut_as_blocks():
+    """Blocks alike but for where their slices start are still repeated blocks: one layer
+    each (before, the differing starts left the whole step one layer), solved once, and two
+    stages at one micro-batch (the dropout masks then match) equal serial JAX."""
+    _init("cpu-1x8")
+    k = jax.random.split(jax.random.PRNGKey(1), 4)
+    params = {f"w{j}": jax.random.normal(k[j], (4, 16, 16)) * 0.3 for j in range(2)}
+    data = {"x": jax.random.normal(k[2], (32, 16)), "y": jax.random.normal(k[3], (32, 16))}
+    stages = UniformStageOption(2, (1, 4), profiling="individual")
+    method = PipeshardParallel(num_micro_batches=1, stage_option=stages)
+    plan = _run(_stacked_loop_loss, params, data, method).plan
+    assert plan.num_layers == 6  # the keys' split, four blocks of equal length, the loss
+    assert len({b - a for a, b in itertools.pairwise(plan.layer_starts[1:6])}) == 1
+    # Blocks differing only in where their slices start share one ILP per config (each had
+    # its own): the composed stages run with the shared layouts, and equal serial JAX above.
+    assert plan.planning.cache_hits >= 2
+
+
 def test_too_small_memory_names_the_minimum():
     _init("cpu-1x8")
     loss, params, data = _mlp_case()
