@@ -158,3 +158,51 @@ def test_a_raw_key_taken_for_the_batch_is_named_in_the_error(devices8):
     with pytest.raises(TypeError) as err:  # the uint32 pair cut in two: not a key any more
         step(params, state, batch, jax.random.PRNGKey(7))
     assert "looks like a raw PRNG key" in " ".join(getattr(err.value, "__notes__", []))
+
+
+def _keep(batch, key, i: int, shape) -> jax.Array:
+    """Layer i's dropout mask (keep 0.8): from the step's key, or, where the batch has
+    ``keys`` (one key's data per row), from each row's own key."""
+    if "keys" not in batch:
+        return jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, shape)
+    row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, i), 0.8, shape[1:])  # noqa: E731
+    return jax.vmap(row)(jax.random.wrap_key_data(batch["keys"]))
+
+
+def _dropout_loss(params, batch, key):
+    x = batch["x"]
+    for i, p in enumerate(params):
+        x = jnp.tanh(x @ p["w"] + p["b"])
+        x = jnp.where(_keep(batch, key, i, x.shape), x / 0.8, 0.0)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_dropout_from_a_key_per_row_in_the_batch_matches_serial_jax(devices8, per_row):
+    """With B = 4, a mask drawn from the step's key is drawn the same in every micro-batch,
+    unlike serial JAX's over the whole batch; keys per row in the batch (README's recipe)
+    are split with it, so the step equals serial JAX."""
+    params, state, batch = _data()
+    if per_row:
+        batch = {**batch, "keys": jax.random.key_data(jax.random.split(jax.random.key(3), 16))}
+
+    def step(value_and_grad):
+        def run(params, opt_state, batch, key):
+            loss, grads = value_and_grad(_dropout_loss)(params, batch, key)
+            return (*OPT.update(grads, opt_state, params), loss)
+
+        return run
+
+    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(2))
+    got = alpa_mini.parallelize(step(alpa_mini.value_and_grad), method=method)
+    want = jax.jit(step(jax.value_and_grad))
+    key = jax.random.key(5)
+    (*got_state, got_loss), (*want_state, want_loss) = (
+        f(params, state, batch, key) for f in (got, want)
+    )
+    if not per_row:
+        assert abs(float(got_loss) - float(want_loss)) > 1e-3
+        return
+    assert float(got_loss) == pytest.approx(float(want_loss), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(want_state), jax.tree.leaves(got_state), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
