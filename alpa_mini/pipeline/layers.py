@@ -176,8 +176,9 @@ def _literal_text(val: Any) -> str:
     return text
 
 
-# Parameters that say where an equation reads, not what it computes: a block's signature
-# leaves them out (a layer's hash keeps them, since its jitted function is shared).
+# Parameters that say where an equation reads, not what it computes: block signatures and
+# the stage model's ILP keys leave them out; the hash that shares a layer's jitted function
+# keeps them, since that function reads at them.
 _POSITIONS = {"slice": ("start_indices", "limit_indices")}
 
 
