@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -200,10 +201,10 @@ def _stacked_loop_loss(params, batch):
     keys = jax.random.split(jax.random.key(0), blocks)
     x = batch["x"]
     for i in range(blocks):
-        h = jax.numpy.tanh(x @ params["w0"][i])
-        h = jax.numpy.where(jax.random.bernoulli(keys[i], 0.9, h.shape), h / 0.9, 0.0)
-        x = x + jax.numpy.tanh(h @ params["w1"][i])
-    return jax.numpy.mean((x - batch["y"]) ** 2)
+        h = jnp.tanh(x @ params["w0"][i])
+        h = jnp.where(jax.random.bernoulli(keys[i], 0.9, h.shape), h / 0.9, 0.0)
+        x = x + jnp.tanh(h @ params["w1"][i])
+    return jnp.mean((x - batch["y"]) ** 2)
 
 
 def test_blocks_that_read_stacked_weights_by_index_are_cut_as_blocks():
