@@ -6,8 +6,10 @@ through them and their per-iteration outputs are concatenated again. A stacked *
 that only feeds such scans is split into row pieces at the step's edge, so that each stage
 holds, differentiates and updates its own rows; the optimiser's element-wise update and its
 state (same-shape leaves such as Adam's moments) are split alike, and norms over a whole
-stack are summed from the pieces. ``PieceMap`` says how the user's flat leaves map to the
-split step's, so the runtime can cut inputs into pieces and join outputs again.
+stack are summed from the pieces. A stack that a Python loop reads row by row (``w[i]``,
+a ``slice`` per block) is split alike (``row_sliced_inputs``): each slice then reads its
+own piece. ``PieceMap`` says how the user's flat leaves map to the split step's, so the
+runtime can cut inputs into pieces and join outputs again.
 
 Anything that cannot follow the pieces (a value used whole) reads their concatenation, so
 every split is exact; it is only slower where that happens.
@@ -16,6 +18,7 @@ every split is exact; it is only slower where that happens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ __all__ = [
     "SplitStep",
     "even_lengths",
     "layer_scans",
+    "row_sliced_inputs",
     "split_scans",
 ]
 
@@ -110,6 +114,50 @@ def layer_scans(forward: ClosedJaxpr, capture: GradCapture) -> list[int]:
     return found
 
 
+def row_sliced_inputs(forward: ClosedJaxpr, capture: GradCapture) -> dict[int, tuple[int, ...]]:
+    """Loss input -> row lengths, for non-batch inputs read only by ``slice`` equations
+    that take whole rows (``w[i]`` of a stacked weight in a Python loop): the pieces between
+    the rows where those slices start and stop, two or more of them."""
+    fj = forward.jaxpr
+    cuts: dict[Any, set[int]] = {
+        v: {0, v.aval.shape[0]}
+        for j, v in enumerate(fj.invars)
+        if not capture.batch[j] and getattr(v.aval, "ndim", 0) >= 1 and v.aval.shape[0] >= 2
+    }
+    for v in fj.outvars:
+        if not isinstance(v, Literal):
+            cuts.pop(v, None)
+    for eqn in fj.eqns:
+        for pos, v in enumerate(eqn.invars):
+            if isinstance(v, Literal) or v not in cuts:
+                continue
+            rows = _row_range(eqn) if pos == 0 else None
+            if rows is None:
+                cuts.pop(v)
+            else:
+                cuts[v] |= set(rows)
+    out = {}
+    for j, v in enumerate(fj.invars):
+        bounds = sorted(cuts.get(v, ()))
+        if len(bounds) > 2:
+            out[j] = tuple(b - a for a, b in itertools.pairwise(bounds))
+    return out
+
+
+def _row_range(eqn: Any) -> tuple[int, int] | None:
+    """(start, stop) rows a ``slice`` takes whole (every other dimension in full, unit
+    strides); None for any other equation."""
+    if eqn.primitive.name != "slice":
+        return None
+    p, shape = eqn.params, eqn.invars[0].aval.shape
+    if p["strides"] is not None and any(st != 1 for st in p["strides"]):
+        return None
+    rest = zip(p["start_indices"][1:], p["limit_indices"][1:], shape[1:], strict=True)
+    if any(a != 0 or b != n for a, b, n in rest):
+        return None
+    return p["start_indices"][0], p["limit_indices"][0]
+
+
 # ---------------------------------------------------------------------- pieced values
 class _Rows:
     """A value held as row pieces (tracers) of the given lengths."""
@@ -135,6 +183,25 @@ def _rows_of(x: Any, lengths: tuple[int, ...]) -> list[Any]:
 
 def _plain(x: Any) -> Any:
     return x.whole() if isinstance(x, _Rows) else x
+
+
+def _slice_rows(eqn: Any, x: _Rows) -> Any:
+    """A ``slice`` of a pieced value: from the one piece that holds its rows where there is
+    one (the piece itself when it takes all of it), else from the whole."""
+    p = eqn.params
+    start, stop = p["start_indices"][0], p["limit_indices"][0]
+    strides = p["strides"] or (1,) * len(p["start_indices"])
+    a = 0
+    for part, n in zip(x.parts, x.lengths, strict=True):
+        if a <= start and stop <= a + n:
+            begin = (start - a, *p["start_indices"][1:])
+            end = (stop - a, *p["limit_indices"][1:])
+            whole = begin == (0,) * part.ndim and end == tuple(part.shape)
+            if whole and all(st == 1 for st in strides):
+                return part
+            return lax.slice(part, begin, end, p["strides"])
+        a += n
+    return bind_equation(eqn, [x.whole()])[0]
 
 
 def _pieced_lengths(eqn: Any, ins: Sequence[tuple[int, ...] | None]) -> tuple[int, ...] | None:
@@ -213,12 +280,16 @@ def split_scans(
     forward: ClosedJaxpr,
     splits: dict[int, tuple[int, ...]],
     roles: Sequence[str],
+    rows: dict[int, tuple[int, ...]] | None = None,
 ) -> SplitStep:
     """``step`` (one captured grad equation; ``forward`` its flat loss) with the scans
     ``splits`` names (loss equation -> iterations per sub-scan, in array order; a reverse
     scan runs the last piece first) run as sub-scans, and the stacks they read split at the
-    step's edge where nothing else needs them whole. ``roles``: per step input,
+    step's edge where nothing else needs them whole. ``rows``: loss inputs split into row
+    pieces of these lengths too (``row_sliced_inputs``). ``roles``: per step input,
     param/state/batch."""
+    rows = dict(rows or {})
+    _check_rows(forward, capture, rows)
     by_eqn = dict(splits)
     for i, lengths in by_eqn.items():
         eqn = forward.jaxpr.eqns[i] if 0 <= i < len(forward.jaxpr.eqns) else None
@@ -235,7 +306,7 @@ def split_scans(
     geqn = sj.eqns[g]
     step_in = {v: k for k, v in enumerate(sj.invars)}
     arg_of = [step_in[v] for v in geqn.invars]
-    loss_split = _loss_inputs_to_split(forward, capture, by_eqn, arg_of)
+    loss_split = _alike_only({**_loss_inputs_to_split(forward, capture, by_eqn), **rows}, arg_of)
     step_split = _step_inputs_to_split(sj, g, capture, loss_split, arg_of, roles)
     new_forward = _split_forward(forward, by_eqn, loss_split)
     new_capture = _expand_capture(capture, new_forward, loss_split)
@@ -252,15 +323,43 @@ def split_scans(
     return SplitStep(new_step, new_capture, new_forward, PieceMap(tuple(inputs), outputs))
 
 
+def _check_rows(
+    forward: ClosedJaxpr, capture: GradCapture, rows: dict[int, tuple[int, ...]]
+) -> None:
+    """Each row split names a non-batch loss input and positive lengths summing to its
+    rows."""
+    invars = forward.jaxpr.invars
+    for j, lengths in rows.items():
+        if not 0 <= j < len(invars) or capture.batch[j] or not invars[j].aval.shape:
+            raise ValueError(f"row_splits: loss input {j} is not a non-batch array input")
+        n = invars[j].aval.shape[0]
+        if sum(lengths) != n or min(lengths, default=0) < 1:
+            raise ValueError(
+                f"row_splits: lengths {list(lengths)} for loss input {j} must be positive "
+                f"and sum to its {n} rows"
+            )
+
+
+def _alike_only(
+    chosen: dict[int, tuple[int, ...]], arg_of: list[int]
+) -> dict[int, tuple[int, ...]]:
+    """``chosen`` less the loss inputs whose step input is read as another loss input that
+    is not split alike (a step input is split once, for all its reads)."""
+    out = dict(chosen)
+    for j in chosen:
+        alike = [i for i, k in enumerate(arg_of) if k == arg_of[j]]
+        if any(chosen.get(i) != chosen[j] for i in alike):
+            out.pop(j)
+    return out
+
+
 def _loss_inputs_to_split(
     forward: ClosedJaxpr,
     capture: GradCapture,
     by_eqn: dict[int, tuple[int, ...]],
-    arg_of: list[int],
 ) -> dict[int, tuple[int, ...]]:
     """Loss input -> row lengths, for non-batch inputs read only as scanned operands of
-    split scans (all with the same lengths), whose step input feeds no other loss input
-    that cannot be split alike."""
+    split scans (all with the same lengths)."""
     fj = forward.jaxpr
     uses: dict[Any, set[tuple[int, ...] | None]] = {}
     for i, eqn in enumerate(fj.eqns):
@@ -278,11 +377,6 @@ def _loss_inputs_to_split(
         u = uses.get(v, set())
         if not capture.batch[j] and len(u) == 1 and None not in u:
             chosen[j] = next(iter(u))
-    # A step input read as several loss inputs is split only if all of them are, alike.
-    for j in list(chosen):
-        alike = [i for i, k in enumerate(arg_of) if k == arg_of[j]]
-        if any(chosen.get(i) != chosen[j] for i in alike):
-            chosen.pop(j)
     return chosen
 
 
@@ -372,6 +466,8 @@ def _split_forward(
             invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
             if i in by_eqn:
                 outs = _sub_scans(eqn, invals, by_eqn[i])
+            elif eqn.primitive.name == "slice" and isinstance(invals[0], _Rows):
+                outs = [_slice_rows(eqn, invals[0])]
             else:
                 outs = bind_equation(eqn, [_plain(x) for x in invals])
             env.update(zip(eqn.outvars, outs, strict=True))

@@ -25,7 +25,13 @@ from ..errors import ConfigError, MemoryBudgetError
 from ..graph.grad_capture import GradCapture, TracedStep, trace_with_grads
 from ..graph.jaxpr_walk import flatten_calls
 from ..graph.planning_stats import PlanningStats
-from ..graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
+from ..graph.scan_split import (
+    PieceMap,
+    even_lengths,
+    layer_scans,
+    row_sliced_inputs,
+    split_scans,
+)
 from ..inspect.program_collectives import StepCollectives, step_collectives
 from ..options.pipeshard import AutoLayerOption, PipeshardParallel
 from ..runtime.instructions import format_stream, program_runs
@@ -35,7 +41,7 @@ from ..shard.solve_pool import session_pool, solve_session
 from .latency_floors import step_floor
 from .lower.compile import CompiledPipeline, StageLowering, compile_pipeline, grad_equation
 from .micro_batch_search import micro_batch_candidates, search_micro_batches
-from .plan import PipeshardPlan, ScanSplit
+from .plan import PipeshardPlan, RowSplit, ScanSplit
 from .plan_check import check_plan
 from .refine import refine_stages
 from .schedules import make_schedule
@@ -273,14 +279,15 @@ def prepare_step(
         step, out_shape, capture, forward = _traced_parts(traced)
         plan = method.plan
         splits = plan.scan_splits if plan is not None else _scan_splits(forward, capture, method)
-        if step is None and splits:  # sub-scans change the step as well: trace it whole
+        rows = plan.row_splits if plan is not None else _row_splits(forward, capture)
+        if step is None and (splits or rows):  # pieces change the step as well: trace it whole
             traced = trace_with_grads(step_fun, avals, roles, method.num_micro_batches, "pipeline")
             step, out_shape, capture, forward = _traced_parts(traced)
         if on_traced is not None:
             on_traced(traced)
         try:
             step, capture, forward, pieces = apply_scan_splits(
-                step, capture, forward, splits, roles
+                step, capture, forward, splits, roles, rows
             )
         except ValueError as err:  # only a saved plan's splits can be wrong
             raise ConfigError(f"plan.{err}") from None
@@ -292,7 +299,7 @@ def prepare_step(
                 trace_seconds=trace_seconds,
                 total_seconds=time.perf_counter() - t0,
             )
-            plan = dataclasses.replace(plan, planning=stats, scan_splits=splits)
+            plan = dataclasses.replace(plan, planning=stats, scan_splits=splits, row_splits=rows)
         else:
             check_plan(plan, cluster, forward, capture, method.num_micro_batches)
         out_tree = None if step is None else jax.tree.structure(out_shape)
@@ -445,13 +452,19 @@ def apply_scan_splits(
     forward: ClosedJaxpr,
     splits: Sequence[ScanSplit],
     roles: Sequence[str],
+    rows: Sequence[RowSplit] = (),
 ) -> tuple[ClosedJaxpr, GradCapture, ClosedJaxpr, PieceMap | None]:
-    """A traced step with a plan's scan splits applied (unchanged, and no piece map, when
-    it has none)."""
-    if not splits:
+    """A traced step with a plan's scan and row splits applied (unchanged, and no piece
+    map, when it has none)."""
+    if not splits and not rows:
         return step, capture, forward, None
     _check_splits(forward, splits)
-    split = split_scans(step, capture, forward, {s.eqn: s.lengths for s in splits}, roles)
+    if len({r.input for r in rows}) != len(rows):
+        raise ValueError(f"row_splits: a loss input is split twice ({[r.input for r in rows]})")
+    split = split_scans(
+        step, capture, forward, {s.eqn: s.lengths for s in splits}, roles,
+        {r.input: r.lengths for r in rows},
+    )  # fmt: skip
     return split.step, split.capture, split.forward, split.pieces
 
 
@@ -490,6 +503,13 @@ def _scan_splits(
         n = forward.jaxpr.eqns[i].params["length"]
         found.append(ScanSplit(i, even_lengths(n, min(n, option.layer_num))))
     return tuple(found)
+
+
+def _row_splits(forward: ClosedJaxpr, capture: GradCapture) -> tuple[RowSplit, ...]:
+    """Stacks a loop reads row by row (``w[i]``), each split into the pieces it reads, so
+    that every block reads, differentiates and updates a parameter of its own (read whole,
+    a stack is one parameter every block's gradient is padded to)."""
+    return tuple(RowSplit(j, n) for j, n in sorted(row_sliced_inputs(forward, capture).items()))
 
 
 def plan_pipeshard(

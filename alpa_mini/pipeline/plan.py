@@ -24,7 +24,7 @@ from .schedules import SCHEDULES
 if TYPE_CHECKING:
     from .simulate import Simulation
 
-__all__ = ["PipeshardPlan", "ScanSplit", "StagePlan"]
+__all__ = ["PipeshardPlan", "RowSplit", "ScanSplit", "StagePlan"]
 
 
 def _spec_list(specs: tuple[ShardingSpec | None, ...]) -> list[Any]:
@@ -133,6 +133,23 @@ class ScanSplit:
         return cls(f.int("eqn", low=0), f.ints("lengths", low=1))
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """Loss input ``input`` (a stack a loop reads row by row) held as row pieces of
+    ``lengths``, each its own parameter (``graph.scan_split.row_sliced_inputs``)."""
+
+    input: int
+    lengths: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input": self.input, "lengths": list(self.lengths)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "row_split") -> RowSplit:
+        f = Fields(d, where)
+        return cls(f.int("input", low=0), f.ints("lengths", low=1))
+
+
 @dataclass(frozen=True, eq=False)
 class PipeshardPlan:
     stages: tuple[StagePlan, ...]
@@ -153,6 +170,9 @@ class PipeshardPlan:
     #: iterations (``graph.scan_split``); equation indices are the traced loss's, and
     #: ``num_equations`` counts the loss after the split.
     scan_splits: tuple[ScanSplit, ...] = ()
+    #: Stacks read row by row split into row pieces (plans saved before this field split
+    #: none); loss input indices are the traced loss's.
+    row_splits: tuple[RowSplit, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -180,6 +200,7 @@ class PipeshardPlan:
             "layer_eps": self.layer_eps,
             "num_equations": self.num_equations,
             "scan_splits": [s.to_dict() for s in self.scan_splits],
+            "row_splits": [s.to_dict() for s in self.row_splits],
             "stages": [s.to_dict() for s in self.stages],
             "stage_problem": None if self.stage_problem is None else self.stage_problem.to_dict(),
             "stage_solution": None
@@ -215,6 +236,7 @@ class PipeshardPlan:
         if not stages:
             raise ConfigError("plan.stages: empty; a plan has at least one stage")
         splits = f.list("scan_splits", default=None) or []
+        rows = f.list("row_splits", default=None) or []
         try:
             return cls(
                 stages=tuple(
@@ -232,6 +254,9 @@ class PipeshardPlan:
                 layer_eps=None if d.get("layer_eps") is None else f.number("layer_eps", low=0.0),
                 scan_splits=tuple(
                     ScanSplit.from_dict(s, f"plan.scan_splits[{i}]") for i, s in enumerate(splits)
+                ),
+                row_splits=tuple(
+                    RowSplit.from_dict(s, f"plan.row_splits[{i}]") for i, s in enumerate(rows)
                 ),
             )
         except ConfigError:

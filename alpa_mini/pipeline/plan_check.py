@@ -42,8 +42,8 @@ def check_plan(
     if plan.num_equations != n:
         raise ConfigError(
             f"plan.num_equations: {plan.num_equations}, but this step's loss has {n} equations "
-            "with plan.scan_splits applied (the plan was made for another step, or its "
-            "scan_splits were edited)"
+            "with plan.scan_splits and plan.row_splits applied (the plan was made for another "
+            "step, or its splits were edited)"
         )
     if plan.num_micro_batches != num_micro_batches:
         raise ConfigError(

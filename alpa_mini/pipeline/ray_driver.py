@@ -213,7 +213,7 @@ class WorkerBuilder:
         B = plan.num_micro_batches
         step, _, capture, forward = trace_step(self.step_fun, list(self.avals), self.roles, B)
         step, capture, forward, _ = apply_scan_splits(
-            step, capture, forward, plan.scan_splits, self.roles
+            step, capture, forward, plan.scan_splits, self.roles, plan.row_splits
         )
         placed = []
         for s, st in enumerate(plan.stages):

@@ -10,7 +10,13 @@ import pytest
 import alpa_mini
 from alpa_mini.graph.grad_capture import GRAD_NAME, trace_with_grads
 from alpa_mini.graph.jaxpr_walk import flatten_calls
-from alpa_mini.graph.scan_split import PieceMap, even_lengths, layer_scans, split_scans
+from alpa_mini.graph.scan_split import (
+    PieceMap,
+    even_lengths,
+    layer_scans,
+    row_sliced_inputs,
+    split_scans,
+)
 
 L, H = 6, 8
 
@@ -103,3 +109,38 @@ def test_even_lengths_and_the_identity_map() -> None:
     assert even_lengths(7, 3) == (3, 2, 2)
     assert PieceMap(((0, None, None),), ((0,),)).is_identity
     assert not PieceMap(((0, 0, 1), (0, 1, 2)), ((0, 1),)).is_identity
+
+
+def _row_pieces(loss) -> dict[int, tuple[int, ...]]:
+    """``row_sliced_inputs`` of an SGD step of ``loss(w, batch)``, w a (4, 8, 8) stack."""
+    w = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+
+    def fun(w, x):
+        value, g = alpa_mini.value_and_grad(loss)(w, {"x": x})
+        return w - 0.1 * g, value
+
+    traced = trace_with_grads(fun, [w, x], ["param", "batch"], 1, "pipeline")
+    capture = traced.captures[0]
+    return row_sliced_inputs(flatten_calls(capture.loss), capture)
+
+
+def test_a_stack_is_split_into_rows_only_where_every_read_takes_whole_rows() -> None:
+    """Rows read one by one give one piece each, slices of several rows pieces of those
+    lengths; a stack also read whole, or sliced within a row, is not split."""
+
+    def rows(w, b):
+        return sum(jnp.sum(b["x"] @ w[i]) for i in range(4))
+
+    def pairs(w, b):
+        return jnp.sum(b["x"] @ w[0:2].sum(0)) + jnp.sum(b["x"] @ w[2])
+
+    def whole(w, b):
+        return rows(w, b) + jnp.sum(w)
+
+    def part(w, b):
+        return sum(jnp.sum(b["x"] @ w[i, :, :4]) for i in range(4))
+
+    assert _row_pieces(rows) == {0: (1, 1, 1, 1)}
+    assert _row_pieces(pairs) == {0: (2, 1, 1)}
+    assert _row_pieces(whole) == {} and _row_pieces(part) == {}

@@ -6,6 +6,7 @@ axis over the stages' devices."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -252,3 +253,73 @@ def test_a_scanned_gpt_pipelines_into_four_stages_on_disjoint_devices_equal_to_s
     devices8,
 ) -> None:
     _check_cut(_train_and_compare(4), 4)
+
+
+# --------------------------------------------------------------- stacks read row by row
+N_ROWS = 4
+
+
+def _row_loop_loss(params, batch):
+    """A Python loop over a stacked weight (``w[i]``), as a scan body unrolled by hand."""
+    x = batch["x"]
+    for i in range(N_ROWS):
+        x = x + jnp.tanh(jnp.tanh(x @ params["w0"][i]) @ params["w1"][i])
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _row_loop_args():
+    k = jax.random.split(jax.random.key(4), 4)
+    params = {f"w{j}": jax.random.normal(k[j], (N_ROWS, 16, 16)) * 0.3 for j in range(2)}
+    batch = {"x": jax.random.normal(k[2], (32, 16)), "y": jax.random.normal(k[3], (32, 16))}
+    return params, batch
+
+
+def test_a_stack_a_loop_reads_row_by_row_is_split_into_its_rows_and_equals_serial(
+    devices8,
+) -> None:
+    """Each row becomes a parameter of its own (``plan.row_splits``): no block's gradient is
+    padded to the whole stack. Two stages at B = 4 equal serial JAX, the step hands back the
+    stacks whole, and the plan replays from its JSON."""
+    from alpa_mini.pipeline.plan import RowSplit
+
+    params, batch = _row_loop_args()
+    opt = sgd(0.1)
+    train = make_train_step(_row_loop_loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=4, stage_option=UniformStageOption(2))
+    step = alpa_mini.parallelize(train, method=method)
+    serial = jax.jit(make_train_step(_row_loop_loss, opt))
+    got, want = _run(step, params, opt, batch, 2), _run(serial, params, opt, batch, 2)
+    _assert_close(got[0], want[0])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+    plan = step.get_executable(params, opt.init(params), batch).plan
+    assert plan.row_splits == (RowSplit(0, (1,) * N_ROWS), RowSplit(1, (1,) * N_ROWS))
+    # The loop's blocks now read whole pieces: one layer per block, no slice left in them.
+    assert plan.num_layers == N_ROWS + 1
+    again = PipeshardPlan.from_json(plan.to_json())
+    assert again == plan
+    replay = alpa_mini.parallelize(train, method=PipeshardParallel.from_plan(again))
+    _assert_close(_run(replay, params, opt, batch, 2)[0], want[0])
+
+
+def test_bad_row_splits_in_a_saved_plan_are_refused_by_name(devices8) -> None:
+    from alpa_mini import ConfigError
+
+    params, batch = _row_loop_args()
+    opt = sgd(0.1)
+    train = make_train_step(_row_loop_loss, opt, alpa_mini.value_and_grad)
+    method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2))
+    record = json.loads(
+        alpa_mini.plan(train, params, opt.init(params), batch, method=method).to_json()
+    )
+    with pytest.raises(ConfigError, match=r"plan\.row_splits\[0\]\.lengths"):
+        PipeshardPlan.from_dict({**record, "row_splits": [{"input": 0, "lengths": [0, 4]}]})
+    first, second = record["row_splits"]
+    cases = {
+        "sum to its 4 rows": [{"input": 0, "lengths": [3, 2]}, second],
+        "split twice": [first, first, second],
+    }
+    for why, rows in cases.items():
+        plan = PipeshardPlan.from_dict({**record, "row_splits": rows})
+        step = alpa_mini.parallelize(train, method=PipeshardParallel.from_plan(plan))
+        with pytest.raises(ConfigError, match=rf"plan\.row_splits: .*{why}"):
+            step(params, opt.init(params), batch)
