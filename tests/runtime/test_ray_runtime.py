@@ -141,6 +141,7 @@ def ray_results(tmp_path_factory):
                 }
                 first_step = step
         results["scanned"] = _scanned_on_ray()
+        results["row_loop"] = _row_loop_on_ray()
         results["keys"] = _keys_on_ray(tmp_path_factory.mktemp("ray_keys"))
         # Last, as it kills a worker: the errors, in the same session.
         results["errors"] = _worker_failures(first_step)
@@ -192,6 +193,31 @@ def _scanned_on_ray() -> dict:
         "params": params,
         "batch": batch,
     }
+
+
+def _row_loop_loss(p, b):
+    """A Python loop over a stacked weight (``w[i]``): split into its rows at the edge."""
+    x = b["x"]
+    for i in range(p["w"].shape[0]):
+        x = jax.numpy.tanh(x @ p["w"][i])
+    return jax.numpy.mean((x - b["y"]) ** 2)
+
+
+def _row_loop_on_ray() -> dict:
+    """Two SGD steps of ``_row_loop_loss`` in two stages, one per host."""
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    params = {"w": jax.random.normal(k[0], (4, 8, 8)) * 0.4}
+    batch = {"x": jax.random.normal(k[1], (8, 8)), "y": jax.random.normal(k[2], (8, 8))}
+    opt = sgd(0.1)
+    method = PipeshardParallel(num_micro_batches=2, stage_option=UniformStageOption(2))
+    step = alpa_mini.parallelize(
+        make_train_step(_row_loop_loss, opt, alpa_mini.value_and_grad), method=method
+    )
+    p, s = params, opt.init(params)
+    for _ in range(2):
+        p, s, _ = step(p, s, batch)
+    plan = step.get_executable(p, s, batch).plan
+    return {"got": np.asarray(p["w"]), "rows": plan.row_splits, "params": params, "batch": batch}
 
 
 def _key_step(value_and_grad):
@@ -265,6 +291,17 @@ def test_a_scanned_stack_cut_over_two_hosts_equals_serial_jax(ray_results):
         np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-6)
     # Each stacked leaf comes back as one handle whose rows stay on both hosts' workers.
     assert r["stacked"] and r["hosts"] == {0, 1}
+
+
+def test_a_stack_read_row_by_row_is_split_over_two_hosts_and_equals_serial_jax(ray_results):
+    r = ray_results["row_loop"]
+    opt = sgd(0.1)
+    serial = jax.jit(make_train_step(_row_loop_loss, opt))
+    p, s = r["params"], opt.init(r["params"])
+    for _ in range(2):
+        p, s, _ = serial(p, s, r["batch"])
+    np.testing.assert_allclose(r["got"], np.asarray(p["w"]), rtol=1e-6, atol=1e-6)
+    assert [x.lengths for x in r["rows"]] == [(1, 1, 1, 1)]
 
 
 @pytest.mark.parametrize("name", list(METHODS))
