@@ -280,13 +280,19 @@ def test_a_typed_key_argument_travels_to_the_workers_as_its_data(ray_results):
     assert r["slots"][2] == "RemoteSlot"
 
 
+def _serial_params(loss, r: dict, steps: int = 2):
+    """The parameters after ``steps`` SGD steps of serial JAX from ``r``'s params and batch."""
+    opt = sgd(0.1)
+    serial = jax.jit(make_train_step(loss, opt))
+    p, s = r["params"], opt.init(r["params"])
+    for _ in range(steps):
+        p, s, _ = serial(p, s, r["batch"])
+    return p
+
+
 def test_a_scanned_stack_cut_over_two_hosts_equals_serial_jax(ray_results):
     r = ray_results["scanned"]
-    opt = sgd(0.1)
-    serial = jax.jit(make_train_step(_scanned_loss, opt))
-    p, s = r["params"], opt.init(r["params"])
-    for _ in range(2):
-        p, s, _ = serial(p, s, r["batch"])
+    p = _serial_params(_scanned_loss, r)
     for a, b in zip(r["got"], jax.tree.leaves(p), strict=True):
         np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-6)
     # Each stacked leaf comes back as one handle whose rows stay on both hosts' workers.
@@ -295,11 +301,7 @@ def test_a_scanned_stack_cut_over_two_hosts_equals_serial_jax(ray_results):
 
 def test_a_stack_read_row_by_row_is_split_over_two_hosts_and_equals_serial_jax(ray_results):
     r = ray_results["row_loop"]
-    opt = sgd(0.1)
-    serial = jax.jit(make_train_step(_row_loop_loss, opt))
-    p, s = r["params"], opt.init(r["params"])
-    for _ in range(2):
-        p, s, _ = serial(p, s, r["batch"])
+    p = _serial_params(_row_loop_loss, r)
     np.testing.assert_allclose(r["got"], np.asarray(p["w"]), rtol=1e-6, atol=1e-6)
     assert [x.lengths for x in r["rows"]] == [(1, 1, 1, 1)]
 
